@@ -1,0 +1,1 @@
+"""Rollout plane: inference backends and sampling with per-token behaviour log-probabilities."""

@@ -1,0 +1,69 @@
+"""The single ``echorl`` console entry: one subcommand per role.
+
+Each subcommand lives in its plane as a module with ``add_arguments(parser)`` and
+``run(args) -> int``. Only the chosen module is imported, so ``echorl --help`` stays fast and
+does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module implementing it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("echorl.node.demo", "start a learner and N node daemons on this machine and train"),
+    "learner": ("echorl.node.learner_peer", "start the learner peer (bootstrap of a run)"),
+    "node": ("echorl.node.daemon", "run a volunteer node daemon that generates rollouts"),
+    "status": ("echorl.node.status", "show peers, versions, throughput and staleness of a run"),
+    "train-local": ("echorl.learner.local", "learner + actor workers in local processes, no network"),
+    "keygen": ("echorl.protocol.keyfile_cli", "create (or show) a persistent Ed25519 peer key"),
+}
+
+
+def _chosen_command(argv: list[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="echorl",
+        description="Decentralized RL post-training: a central GRPO learner, volunteer rollout "
+        "nodes over libp2p, bounded policy staleness.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = _chosen_command(argv)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = _load(module_name, name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def _load(module_name: str, command: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            sys.exit(f"echorl {command}: not built yet ({module_name} is missing)")
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Learning plane: GRPO, the staleness-bounded rollout buffer, leases, checkpoints."""

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# py-libp2p 0.8.1 builds `fastecdsa` from source: it needs a C compiler and the GMP headers.
+# Install them with apt when they are missing and we are allowed to; otherwise say what to do.
+set -euo pipefail
+have_gmp() { [ -f /usr/include/gmp.h ] || ls /usr/include/*/gmp.h >/dev/null 2>&1; }
+if command -v cc >/dev/null && have_gmp; then exit 0; fi
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "installing a C compiler and libgmp headers (needed to build fastecdsa)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential libgmp-dev python3-dev >/dev/null
+elif command -v apt-get >/dev/null && command -v sudo >/dev/null; then
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential libgmp-dev python3-dev >/dev/null
+else
+    echo "error: need a C compiler and GMP headers (Debian: apt-get install build-essential libgmp-dev)" >&2
+    exit 1
+fi

@@ -1,0 +1,1 @@
+"""Data plane: task adapters (prompt source + verifier), chosen by name or ``module:Class``."""
