@@ -1,0 +1,210 @@
+"""The default model, made locally: no download at run time.
+
+:func:`build_default_model` builds a tiny Qwen3-architecture causal LM from a config
+(hidden 128, 2 layers, 4 heads / 2 KV heads, FFN 512, tied embeddings: ~0.5 M parameters), a
+character-level tokenizer made with the ``tokenizers`` library, warms it up with a short
+supervised phase on 2-digit addition until its sampled accuracy reaches a target (default
+0.25: clearly above zero, far from 1), and saves a normal HF directory (config.json,
+model.safetensors, tokenizer files) that ``AutoModelForCausalLM``/``AutoTokenizer`` load.
+
+The result is cached: the directory carries ``echorl_model.json`` with a hash of everything
+that determines it (architecture, warm-up settings, seed, builder version); a finished
+directory with the same hash is reused. Builds are serialised with a file lock and written to
+a temporary directory that is renamed into place, so concurrent callers are safe. Warm-up is
+deterministic for a given seed (one torch thread while building).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BUILDER_VERSION = 1
+MARKER = "echorl_model.json"
+SPECIALS = ["<pad>", "</s>", "<unk>"]
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """Architecture of the default model (a ``Qwen3Config``)."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 256
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-up on ``digits``-digit addition (answer tokens + EOS are the targets)."""
+
+    digits: int = 2
+    lr: float = 5e-3
+    batch_size: int = 128
+    target_accuracy: float = 0.25
+    check_every: int = 20
+    probe_size: int = 256
+    max_steps: int = 3000
+
+
+def build_char_tokenizer() -> Any:
+    """A character-level ``PreTrainedTokenizerFast``: printable ASCII + newline, with
+    ``<pad>`` (0), ``</s>`` (1, EOS) and ``<unk>`` (2)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def make_model(tokenizer: Any, arch: TinyArch, seed: int) -> Any:
+    """A freshly initialised Qwen3ForCausalLM for ``tokenizer`` (deterministic per seed)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer),
+        head_dim=arch.hidden_size // arch.num_attention_heads,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **asdict(arch),
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg)
+
+
+def config_hash(arch: TinyArch, warmup: WarmupConfig | None, seed: int) -> str:
+    blob = json.dumps(
+        {"v": BUILDER_VERSION, "arch": asdict(arch), "warmup": warmup and asdict(warmup), "seed": seed},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def default_model_dir(seed: int = 0, arch: TinyArch = TinyArch(), warmup: WarmupConfig | None = WarmupConfig()) -> Path:
+    """``$ECHORL_CACHE`` (default ``~/.cache/echorl``) / ``default-model-<hash>``."""
+    root = Path(os.environ.get("ECHORL_CACHE") or Path.home() / ".cache" / "echorl")
+    return root / f"default-model-{config_hash(arch, warmup, seed)}"
+
+
+def is_finished(out_dir: Path, digest: str) -> bool:
+    marker = out_dir / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("hash") == digest
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def sampled_accuracy(model: Any, tokenizer: Any, pairs: list[tuple[int, int]], seed: int) -> float:
+    """Fraction of ``a+b=`` prompts whose sampled (temperature 1) completion is the sum."""
+    from .backend import TorchBackend
+    from .types import SamplingParams
+
+    backend = TorchBackend(model, tokenizer)
+    ids = [backend.encode(f"{a}+{b}=") for a, b in pairs]
+    params = SamplingParams(temperature=1.0, max_new_tokens=len(str(2 * max(max(p) for p in pairs))) + 2)
+    samples = backend.sample_ids(ids, params, seed=seed)
+    return sum(s.text.strip() == str(a + b) for s, (a, b) in zip(samples, pairs)) / len(pairs)
+
+
+def warm_up(model: Any, tokenizer: Any, cfg: WarmupConfig, seed: int) -> dict[str, Any]:
+    """Supervised phase on addition until sampled accuracy on a probe set reaches the target."""
+    import torch
+
+    from echorl.tasks.addition import AdditionTask
+
+    task = AdditionTask(digits=cfg.digits)  # its sample_pair never returns held-out pairs
+    rng = random.Random(seed)
+    probe = [task.sample_pair(random.Random(10_000 + i)) for i in range(cfg.probe_size)]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    acc, step, t0 = sampled_accuracy(model, tokenizer, probe, seed), 0, time.perf_counter()
+    while acc < cfg.target_accuracy and step < cfg.max_steps:
+        model.train()
+        rows, targets = [], []
+        for _ in range(cfg.batch_size):
+            a, b = task.sample_pair(rng)
+            p = tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
+            c = tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [eos]
+            rows.append(p + c)
+            targets.append([-100] * len(p) + c)
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        lab = torch.tensor([t + [-100] * (width - len(t)) for t in targets])
+        att = (lab != -100) | (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None])
+        loss = model(input_ids=ids, attention_mask=att.long(), labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % cfg.check_every == 0:
+            acc = sampled_accuracy(model, tokenizer, probe, seed + step)
+    return {"steps": step, "probe_accuracy": acc, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def build_default_model(
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    arch: TinyArch = TinyArch(),
+    warmup: WarmupConfig | None = WarmupConfig(),
+) -> Path:
+    """Build (or reuse) the default model and return its directory.
+
+    ``out_dir`` None means :func:`default_model_dir`. ``warmup=None`` skips the supervised
+    phase (an untrained model: useful for fast tests).
+    """
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    digest = config_hash(arch, warmup, seed)
+    out = Path(out_dir) if out_dir is not None else default_model_dir(seed, arch, warmup)
+    if is_finished(out, digest):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_finished(out, digest):
+            return out
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            tokenizer = build_char_tokenizer()
+            model = make_model(tokenizer, arch, seed)
+            info = warm_up(model, tokenizer, warmup, seed) if warmup else {"steps": 0}
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            model.eval()
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            marker = {"hash": digest, "seed": seed, "arch": asdict(arch),
+                      "warmup": warmup and asdict(warmup), "warmup_result": info,
+                      "parameters": sum(p.numel() for p in model.parameters())}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            torch.set_num_threads(threads)
+    return out

@@ -1,0 +1,261 @@
+"""GRPO learner: group-normalised advantages, clipped ratio against the behaviour policy,
+truncated importance weights, optional KL to a reference, token- or sequence-level
+normalisation.
+
+Per completion token with log-prob ``l`` under the current policy, behaviour log-prob ``l_b``
+(returned by the actor, policy version b) and advantage ``A`` of its sample:
+
+    r = exp(l - l_b)                                   ratio pi_theta / pi_b
+    s = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)        PPO clipped surrogate
+    if A < 0 and r > tis_cap:  s = min(r, tis_cap) * A   (value), gradient tis_cap * A * dl
+    loss_tok = -s + kl_coef * (exp(l_ref - l) - (l_ref - l) - 1)     (k3 KL estimator)
+
+The ratio against ``pi_b`` corrects for staleness (b may be up to S versions old). The
+truncation is the truncated importance weighting for actor/learner numeric mismatch and stale
+samples: where the behaviour engine gave a token a much lower probability than the learner
+(r > C) the unclipped branch of the PPO min would scale the gradient by r without bound; it is
+capped at C instead (the token still contributes, with weight C). Advantages:
+``A_i = (R_i - mean(R)) / (std(R) + eps)`` over the G samples of a prompt (population std;
+``scale_adv_by_std=False`` drops the division). ``loss_norm="token"`` averages over all
+completion tokens of the batch, ``"sequence"`` averages per sequence then over sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from echorl.actor.types import RolloutGroup
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters of the GRPO learner."""
+
+    lr: float = 2e-4
+    """AdamW learning rate (0 leaves the weights untouched)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    clip_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO clip: the ratio is clipped above at 1 + clip_high."""
+    tis_cap: float = 2.0
+    """Truncation C of the importance weight pi_theta/pi_b in the unclipped (A < 0) branch."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to a frozen copy of the initial model (0 = no reference)."""
+    loss_norm: Literal["token", "sequence"] = "token"
+    """'token': mean over all completion tokens; 'sequence': per-sequence mean, then mean."""
+    scale_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's std (Dr.GRPO-style when False)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    temperature: float = 1.0
+    """Sampling temperature the actors used; logits are divided by it (0 treated as 1)."""
+    max_grad_norm: float | None = 1.0
+    """Global gradient-norm clip (None = off)."""
+    micro_batch: int = 256
+    """Sequences per forward/backward pass (gradients accumulate over micro-batches)."""
+    device: str = "cpu"
+    """Torch device of the learner."""
+
+    def __post_init__(self) -> None:
+        if self.loss_norm not in ("token", "sequence"):
+            raise ValueError(f"loss_norm must be 'token' or 'sequence', got {self.loss_norm!r}")
+        if self.lr < 0 or self.clip_low < 0 or self.clip_high < 0 or self.tis_cap < 1:
+            raise ValueError("lr, clip_low, clip_high must be >= 0 and tis_cap >= 1")
+        if self.micro_batch < 1:
+            raise ValueError("micro_batch must be >= 1")
+
+
+def group_advantages(rewards: list[float], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """Group-normalised advantages of the G rewards of one prompt."""
+    g = len(rewards)
+    if g == 0:
+        return []
+    mean = sum(rewards) / g
+    centred = [r - mean for r in rewards]
+    if not scale_by_std:
+        return centred
+    std = (sum(c * c for c in centred) / g) ** 0.5
+    return [c / (std + eps) for c in centred]
+
+
+def grpo_token_loss(
+    logp: "torch.Tensor",
+    behaviour_logp: "torch.Tensor",
+    advantages: "torch.Tensor",
+    mask: "torch.Tensor",
+    cfg: GRPOConfig,
+    ref_logp: "torch.Tensor | None" = None,
+    n_tokens: float | None = None,
+    n_seqs: float | None = None,
+) -> tuple["torch.Tensor", dict[str, float]]:
+    """GRPO loss of a [N, T] block of completion tokens (see the module docstring).
+
+    ``advantages`` is [N] (one per sequence); ``mask`` [N, T] marks real tokens. ``n_tokens``
+    / ``n_seqs`` are the batch-wide normalisers when this block is one micro-batch of many
+    (default: this block's own counts). Returns the loss and detached statistics.
+    """
+    import torch
+
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)[:, None].expand_as(logp)
+    ratio = torch.exp(logp - behaviour_logp)
+    clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+    surr = torch.minimum(ratio * adv, clipped * adv)
+    trunc = (adv < 0) & (ratio > cfg.tis_cap)
+    # value tis_cap * A, gradient tis_cap * A * d logp
+    truncated = (cfg.tis_cap / ratio).detach() * ratio * adv
+    surr = torch.where(trunc, truncated, surr)
+    tok = -surr
+    kl = None
+    if ref_logp is not None and cfg.kl_coef > 0:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1
+        tok = tok + cfg.kl_coef * kl
+    if cfg.loss_norm == "token":
+        denom = float(n_tokens) if n_tokens is not None else float(mask.sum().clamp(min=1))
+        loss = (tok * mask).sum() / denom
+    else:
+        per_seq = (tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        denom = float(n_seqs) if n_seqs is not None else float(max(1, logp.shape[0]))
+        loss = per_seq.sum() / denom
+    with torch.no_grad():
+        m = mask.bool()
+        n = max(1, int(m.sum()))
+        is_clipped = ((ratio > 1 + cfg.clip_high) & (adv > 0)) | ((ratio < 1 - cfg.clip_low) & (adv < 0))
+        stats = {
+            "ratio_mean": float(ratio[m].sum()) / n,
+            "clip_frac": float((is_clipped & m).sum()) / n,
+            "tis_frac": float((trunc & m).sum()) / n,
+            "kl": float((kl * mask).sum()) / n if kl is not None else 0.0,
+        }
+    return loss, stats
+
+
+class GRPOTrainer:
+    """Owns the policy and its optimizer; one :meth:`train_step` = one version.
+
+    ``model`` is a local HF directory or an already built ``PreTrainedModel``. Rewards must be
+    set on every group (the learner recomputes them with the task verifier first).
+    """
+
+    def __init__(self, model: "str | Path | Any", config: GRPOConfig | None = None, version: int = 0) -> None:
+        import torch
+
+        self.config = config or GRPOConfig()
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            model = AutoModelForCausalLM.from_pretrained(Path(model), local_files_only=True)
+        self.model = model.to(self.config.device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+        self.ref_model = None
+        if self.config.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._version = int(version)
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def state_dict(self) -> dict[str, "torch.Tensor"]:
+        """Detached CPU copies of the policy weights (for publishing a version)."""
+        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+
+    def _batch(self, rows: list[tuple[list[int], list[int], list[float]]]) -> tuple["torch.Tensor", ...]:
+        """Right-padded input ids, attention mask, completion mask, behaviour log-probs
+        (completion positions aligned to the *predicting* position, i.e. shifted by one)."""
+        import torch
+
+        width = max(len(p) + len(c) for p, c, _ in rows)
+        n = len(rows)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        att = torch.zeros((n, width), dtype=torch.long)
+        cmask = torch.zeros((n, width - 1))
+        blogp = torch.zeros((n, width - 1))
+        for i, (p, c, lp) in enumerate(rows):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            att[i, : len(p) + len(c)] = 1
+            cmask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
+            blogp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp)
+        dev = self.config.device
+        return ids.to(dev), att.to(dev), cmask.to(dev), blogp.to(dev)
+
+    def token_logprobs(self, model: Any, ids: "torch.Tensor", att: "torch.Tensor") -> "torch.Tensor":
+        """log p(ids[:, t+1] | ids[:, :t+1]) for every position, shape [N, T-1]."""
+        import torch
+
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        temp = self.config.temperature if self.config.temperature > 0 else 1.0
+        return torch.log_softmax(logits / temp, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    def train_step(self, groups: list[RolloutGroup]) -> dict[str, Any]:
+        """One optimizer step on ``groups``; increments :attr:`version` by one."""
+        import torch
+
+        t0 = time.perf_counter()
+        rows, advs, rewards = [], [], []
+        for g in groups:
+            if g.rewards is None or len(g.rewards) != len(g.samples):
+                raise ValueError(f"group {g.prompt_id}: rewards missing or wrong length")
+            a = group_advantages(g.rewards, self.config.scale_adv_by_std, self.config.adv_eps)
+            rewards.extend(g.rewards)
+            for s, adv in zip(g.samples, a):
+                if not s.token_ids or not g.prompt_token_ids:
+                    continue
+                rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs)))
+                advs.append(adv)
+        if not rows:
+            raise ValueError("train_step needs at least one non-empty sample")
+        n_tokens = float(sum(len(c) for _, c, _ in rows))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {"ratio_mean": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl": 0.0}
+        loss_sum, mismatch = 0.0, 0.0
+        mb = self.config.micro_batch
+        for start in range(0, len(rows), mb):
+            chunk = rows[start : start + mb]
+            ids, att, cmask, blogp = self._batch(chunk)
+            logp = self.token_logprobs(self.model, ids, att)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = self.token_logprobs(self.ref_model, ids, att)
+            adv = torch.tensor(advs[start : start + mb], device=logp.device)
+            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, float(len(rows)))
+            loss.backward()
+            loss_sum += float(loss)
+            w = float(cmask.sum()) / n_tokens
+            for k in totals:
+                totals[k] += st[k] * w
+            mismatch += float(((logp.detach() - blogp).abs() * cmask).sum()) / n_tokens
+        grad_norm = 0.0
+        if self.config.max_grad_norm:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+        self.optimizer.step()
+        self._version += 1
+        return {
+            "version": self._version, "loss": loss_sum, "reward_mean": sum(rewards) / max(1, len(rewards)),
+            "sequences": len(rows), "tokens": int(n_tokens), "grad_norm": grad_norm,
+            "logp_abs_diff": mismatch, "train_seconds": time.perf_counter() - t0, **totals,
+        }
+
+    def config_dict(self) -> dict[str, Any]:
+        return asdict(self.config)

@@ -1,0 +1,43 @@
+"""Per-peer token buckets: each peer may make ``rate`` requests per second, bursting to ``burst``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    rate: float  # tokens added per second
+    burst: float  # bucket capacity
+
+
+class TokenBuckets:
+    """One bucket per key (peer id). Memory is bounded: idle full buckets are forgotten."""
+
+    MAX_KEYS = 10_000
+
+    def __init__(self, limit: RateLimit) -> None:
+        self.limit = limit
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill time)
+
+    def take(self, key: str, cost: float = 1.0, now: float | None = None) -> bool:
+        """Spend ``cost`` tokens of ``key``'s bucket; False (and nothing spent) if too few."""
+        now = time.monotonic() if now is None else now
+        tokens, last = self._buckets.get(key, (self.limit.burst, now))
+        tokens = min(self.limit.burst, tokens + (now - last) * self.limit.rate)
+        ok = tokens >= cost
+        if ok:
+            tokens -= cost
+        if len(self._buckets) >= self.MAX_KEYS and key not in self._buckets:
+            self._forget_full(now)
+        self._buckets[key] = (tokens, now)
+        return ok
+
+    def _forget_full(self, now: float) -> None:
+        for k, (tokens, last) in list(self._buckets.items()):
+            if tokens + (now - last) * self.limit.rate >= self.limit.burst:
+                del self._buckets[k]
+        if len(self._buckets) >= self.MAX_KEYS:  # all busy: drop the oldest half
+            for k, _ in sorted(self._buckets.items(), key=lambda kv: kv[1][1])[: self.MAX_KEYS // 2]:
+                del self._buckets[k]

@@ -1,0 +1,32 @@
+"""Size and count limits of the wire protocol. Each is part of the contract (docs/protocol.md).
+
+A decoder refuses anything beyond these with ``ErrorCode.OVERSIZED`` before allocating for it.
+"""
+
+KiB = 1024
+MiB = 1024 * KiB
+
+#: Largest frame (the msgpack payload after the 4-byte length prefix).
+MAX_FRAME_BYTES = 16 * MiB
+#: Default and largest chunk of a weight snapshot.
+DEFAULT_CHUNK_BYTES = 4 * MiB
+MAX_CHUNK_BYTES = 8 * MiB
+#: Strings (peer ids, names, prompt text, multiaddrs).
+MAX_STR_BYTES = 64 * KiB
+#: Any one list (tokens of one completion, tensors of a manifest, chunks of a manifest, ...).
+MAX_LIST_LEN = 1 << 20
+#: Rollouts in one submission, prompts in one lease, samples per prompt.
+MAX_PROMPTS_PER_LEASE = 256
+MAX_GROUP_SIZE = 64
+MAX_ROLLOUTS_PER_SUBMIT = MAX_PROMPTS_PER_LEASE * MAX_GROUP_SIZE
+#: Tokens of one completion.
+MAX_COMPLETION_TOKENS = 32 * KiB
+#: Tensors in one manifest; dims of one tensor.
+MAX_TENSORS = 1 << 16
+MAX_TENSOR_DIMS = 8
+#: Chunks in one manifest (a 1 TiB snapshot at 4 MiB chunks).
+MAX_CHUNKS = 1 << 18
+#: Maximum msgpack nesting accepted.
+MAX_DEPTH = 8
+#: Signed records older/newer than this (seconds) are replays / clock errors.
+MAX_CLOCK_SKEW_S = 300.0

@@ -1,0 +1,247 @@
+"""Wire messages: one frozen pydantic model per message type, strict and closed.
+
+Every model forbids extra fields, coerces nothing (strict mode), refuses NaN/inf where a number
+must be finite, and bounds every string, byte string and list. The ``type`` field is the
+discriminator on the wire. docs/protocol.md documents each message; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from . import limits
+
+# --- field types -------------------------------------------------------------------------------
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+Text = Annotated[str, StringConstraints(max_length=limits.MAX_STR_BYTES)]
+PeerId = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")]
+RunId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+Count = Annotated[int, Field(ge=0, le=2**53)]
+Version = Annotated[int, Field(ge=-1, le=2**53)]  # -1: "none" / "latest", as each field says
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+NonNegFinite = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
+Nonce = Annotated[bytes, Field(min_length=16, max_length=32)]
+Signature = Annotated[bytes, Field(min_length=64, max_length=64)]
+Digest = Annotated[bytes, Field(min_length=32, max_length=32)]  # SHA-256
+Scalar = Union[bool, int, Finite, Text, None]
+ScalarMap = Annotated[dict[Name, Scalar], Field(max_length=128)]
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Message(WireModel):
+    """Base of top-level messages; ``SIGNED`` ones carry a ``signature`` over canonical bytes."""
+
+    SIGNED: ClassVar[bool] = False
+
+
+# --- membership --------------------------------------------------------------------------------
+class Capability(WireModel):
+    """What a node offers: the learner schedules and prices by it."""
+
+    engine: Name  # "torch", "vllm"
+    device: Name  # "cpu", "cuda:0", "NVIDIA RTX 4090"
+    memory_bytes: Count
+    tokens_per_s: NonNegFinite  # measured by the node at start
+    price_per_hour: NonNegFinite  # what the volunteer asks, in the run's currency unit
+    reachable: bool  # can others dial it (interior of broadcast trees)?
+    listen_addrs: Annotated[list[Text], Field(max_length=16)]
+
+
+class JoinRequest(Message):
+    SIGNED: ClassVar[bool] = True
+    type: Literal["join"] = "join"
+    run_id: RunId
+    peer_id: PeerId
+    capability: Capability
+    version: Version  # newest verified policy version the node holds, -1 none
+    timestamp: Finite  # unix seconds; refused outside ±MAX_CLOCK_SKEW_S
+    nonce: Nonce
+    signature: Signature = b"\0" * 64
+
+
+class JoinAccepted(Message):
+    type: Literal["join_ok"] = "join_ok"
+    run_id: RunId
+    learner_peer_id: PeerId
+    version: Version  # newest published version
+    staleness_bound: Count
+    heartbeat_s: NonNegFinite
+
+
+# --- work --------------------------------------------------------------------------------------
+class SamplingSpec(WireModel):
+    temperature: NonNegFinite
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+    max_new_tokens: Annotated[int, Field(ge=1, le=limits.MAX_COMPLETION_TOKENS)]
+    stop: Annotated[list[Text], Field(max_length=16)]
+
+
+class LeasePrompt(WireModel):
+    prompt_id: Name
+    text: Text
+
+
+class LeaseRequest(Message):
+    type: Literal["lease_request"] = "lease_request"
+    run_id: RunId
+    version: Version  # the node's current version; the learner leases only if it is fresh enough
+    max_prompts: Annotated[int, Field(ge=1, le=limits.MAX_PROMPTS_PER_LEASE)]
+
+
+class Lease(Message):
+    type: Literal["lease"] = "lease"
+    lease_id: Name
+    run_id: RunId
+    prompts: Annotated[list[LeasePrompt], Field(min_length=1, max_length=limits.MAX_PROMPTS_PER_LEASE)]
+    group_size: Annotated[int, Field(ge=1, le=limits.MAX_GROUP_SIZE)]
+    sampling: SamplingSpec
+    min_version: Version  # generate with this version or newer
+    deadline_s: Annotated[float, Field(gt=0.0, le=86400.0, allow_inf_nan=False)]  # from receipt
+
+
+class LeaseReturn(Message):
+    """A node gives leases back (shutdown) so their prompts are re-queued at once."""
+
+    type: Literal["lease_return"] = "lease_return"
+    run_id: RunId
+    lease_ids: Annotated[list[Name], Field(max_length=64)]
+
+
+class Sample(WireModel):
+    token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_COMPLETION_TOKENS)]
+    logprobs: Annotated[list[LogProb], Field(max_length=limits.MAX_COMPLETION_TOKENS)]
+    finish_reason: Literal["stop", "length", "eos"]
+    reward_hint: Finite  # the actor's own reward: for logging only, the learner recomputes
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "Sample":
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError("token_ids and logprobs differ in length")
+        return self
+
+
+class RolloutGroup(WireModel):
+    prompt_id: Name
+    samples: Annotated[list[Sample], Field(min_length=1, max_length=limits.MAX_GROUP_SIZE)]
+
+
+class Submit(Message):
+    """Signed rollouts for one lease. Replay defence: the lease id is single-use, the nonce is
+    fresh, and the signer must be the stream's remote peer."""
+
+    SIGNED: ClassVar[bool] = True
+    type: Literal["submit"] = "submit"
+    run_id: RunId
+    lease_id: Name
+    peer_id: PeerId
+    behaviour_version: Version  # the policy version every sample was generated with
+    groups: Annotated[list[RolloutGroup], Field(min_length=1, max_length=limits.MAX_PROMPTS_PER_LEASE)]
+    generate_seconds: NonNegFinite
+    nonce: Nonce
+    signature: Signature = b"\0" * 64
+
+
+class SubmitAccepted(Message):
+    type: Literal["submit_ok"] = "submit_ok"
+    lease_id: Name
+    accepted: Count  # rollout groups accepted into the buffer
+    version: Version  # learner's current version
+
+
+# --- weights -----------------------------------------------------------------------------------
+class ChunkRef(WireModel):
+    digest: Digest  # SHA-256 of the chunk bytes: the chunk's name
+    size: Annotated[int, Field(ge=1, le=limits.MAX_CHUNK_BYTES)]
+
+
+class TensorEntry(WireModel):
+    name: Text
+    dtype: Name  # safetensors dtype string: "F32", "BF16", ...
+    shape: Annotated[list[Count], Field(max_length=limits.MAX_TENSOR_DIMS)]
+    digest: Digest  # SHA-256 of the tensor's raw bytes in version ``version``
+
+
+class Manifest(Message):
+    """A policy version as a list of content-addressed chunks, signed by the learner.
+
+    ``kind == "full"``: the chunks concatenate to the version's safetensors file.
+    ``kind == "delta"``: they concatenate to a delta payload (docs/protocol.md) that turns
+    version ``base_version`` into ``version``; ``result_digest`` names the resulting file.
+    """
+
+    SIGNED: ClassVar[bool] = True
+    type: Literal["manifest"] = "manifest"
+    run_id: RunId
+    learner_peer_id: PeerId
+    version: Version
+    parent_version: Version  # -1 for the first version
+    kind: Literal["full", "delta"]
+    base_version: Version  # delta: the version it applies to; full: -1
+    chunk_bytes: Annotated[int, Field(ge=1, le=limits.MAX_CHUNK_BYTES)]
+    payload_bytes: Count
+    chunks: Annotated[list[ChunkRef], Field(max_length=limits.MAX_CHUNKS)]
+    tensors: Annotated[list[TensorEntry], Field(max_length=limits.MAX_TENSORS)]
+    result_bytes: Count  # size of the version's safetensors file
+    result_digest: Digest  # SHA-256 of the version's safetensors file
+    created_at: Finite
+    signature: Signature = b"\0" * 64
+
+
+class ManifestRequest(Message):
+    type: Literal["manifest_request"] = "manifest_request"
+    run_id: RunId
+    version: Version  # -1: the newest
+
+
+class ChunkRequest(Message):
+    type: Literal["chunk_request"] = "chunk_request"
+    digest: Digest
+
+
+class Chunk(Message):
+    type: Literal["chunk"] = "chunk"
+    digest: Digest
+    data: Annotated[bytes, Field(min_length=1, max_length=limits.MAX_CHUNK_BYTES)]
+
+
+class Announce(Message):
+    """Gossip: a new version exists (small; receivers pull the manifest)."""
+
+    type: Literal["announce"] = "announce"
+    run_id: RunId
+    version: Version
+    manifest_digest: Digest
+
+
+# --- status and errors -------------------------------------------------------------------------
+class StatusRequest(Message):
+    type: Literal["status_request"] = "status_request"
+
+
+class Status(Message):
+    type: Literal["status"] = "status"
+    run_id: RunId
+    learner: ScalarMap
+    peers: Annotated[list[ScalarMap], Field(max_length=4096)]
+
+
+class Error(Message):
+    type: Literal["error"] = "error"
+    code: Name  # an ErrorCode value
+    detail: Text
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (
+        JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseReturn, Submit, SubmitAccepted,
+        Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
+    )
+}

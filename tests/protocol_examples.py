@@ -1,0 +1,43 @@
+"""One valid instance of every wire message, for round-trip and fuzz tests."""
+
+import time
+
+from echorl.protocol import messages as m
+from echorl.protocol.identity import Identity
+from echorl.protocol.wire import sign
+
+
+def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
+    cap = m.Capability(
+        engine="torch", device="cpu", memory_bytes=8 << 30, tokens_per_s=1234.5,
+        price_per_hour=0.2, reachable=True, listen_addrs=["/ip4/127.0.0.1/tcp/4001"],
+    )
+    sample = m.Sample(token_ids=[5, 6, 7], logprobs=[-0.1, -2.0, 0.0], finish_reason="eos", reward_hint=1.0)
+    digest = bytes(range(32))
+    return [
+        sign(m.JoinRequest(run_id="run-1", peer_id=node.peer_id, capability=cap, version=3,
+                           timestamp=time.time(), nonce=b"n" * 16), node),
+        m.JoinAccepted(run_id="run-1", learner_peer_id=learner.peer_id, version=4, staleness_bound=2, heartbeat_s=1.0),
+        m.LeaseRequest(run_id="run-1", version=4, max_prompts=16),
+        m.Lease(lease_id="L-1", run_id="run-1", prompts=[m.LeasePrompt(prompt_id="p1", text="12+34=")],
+                group_size=8, sampling=m.SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=8, stop=["\n"]),
+                min_version=2, deadline_s=30.0),
+        m.LeaseReturn(run_id="run-1", lease_ids=["L-1"]),
+        sign(m.Submit(run_id="run-1", lease_id="L-1", peer_id=node.peer_id, behaviour_version=4,
+                      groups=[m.RolloutGroup(prompt_id="p1", samples=[sample, sample])],
+                      generate_seconds=0.5, nonce=b"k" * 16), node),
+        m.SubmitAccepted(lease_id="L-1", accepted=1, version=5),
+        sign(m.Manifest(run_id="run-1", learner_peer_id=learner.peer_id, version=5, parent_version=4,
+                        kind="full", base_version=-1, chunk_bytes=4, payload_bytes=4,
+                        chunks=[m.ChunkRef(digest=digest, size=4)],
+                        tensors=[m.TensorEntry(name="w", dtype="F32", shape=[1], digest=digest)],
+                        result_bytes=4, result_digest=digest, created_at=time.time()), learner),
+        m.ManifestRequest(run_id="run-1", version=-1),
+        m.ChunkRequest(digest=digest),
+        m.Chunk(digest=digest, data=b"abcd"),
+        m.Announce(run_id="run-1", version=5, manifest_digest=digest),
+        m.StatusRequest(),
+        m.Status(run_id="run-1", learner={"step": 3, "reward": 0.5, "ok": True, "note": None},
+                 peers=[{"peer_id": node.peer_id, "tokens_per_s": 10.0}]),
+        m.Error(code="schema", detail="missing field"),
+    ]

@@ -1,0 +1,85 @@
+"""Broadcast plan properties: coverage, depth, reachability, per-peer upload."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from echorl.protocol.plan import PlanPeer, plan_broadcast
+
+LEARNER = "learner"
+
+
+def peers_strategy(min_size=0):
+    return st.lists(st.booleans(), min_size=min_size, max_size=80).map(
+        lambda flags: [PlanPeer(f"peer-{i}", reachable=r) for i, r in enumerate(flags)]
+    )
+
+
+def received(plan, stripe):
+    counts = {}
+    for parent, children in plan.stripes[stripe].children.items():
+        for child in children:
+            counts[child] = counts.get(child, 0) + 1
+    return counts
+
+
+@settings(max_examples=200, deadline=None)
+@given(peers_strategy(), st.integers(1, 6), st.integers(0, 10**6), st.booleans())
+def test_every_peer_gets_every_chunk_exactly_once(peers, fanout, seed, striped):
+    plan = plan_broadcast(LEARNER, peers, fanout, seed, striped)
+    ids = {p.peer_id for p in peers}
+    for chunk in range(3 * len(plan.stripes)):
+        counts = received(plan, plan.stripe_of_chunk(chunk))
+        assert set(counts) == ids and all(c == 1 for c in counts.values())
+        assert LEARNER not in counts
+        depth = plan.stripes[plan.stripe_of_chunk(chunk)].depth_of(LEARNER)
+        assert set(depth) == ids | {LEARNER}  # connected: everyone reachable from the learner
+
+
+@settings(max_examples=200, deadline=None)
+@given(peers_strategy(min_size=1), st.integers(2, 6), st.integers(0, 10**6), st.booleans())
+def test_unreachable_peers_are_never_interior(peers, fanout, seed, striped):
+    plan = plan_broadcast(LEARNER, peers, fanout, seed, striped)
+    unreachable = {p.peer_id for p in peers if not p.reachable}
+    for stripe in plan.stripes:
+        assert not unreachable & set(stripe.children)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 200), st.integers(2, 6), st.integers(0, 10**6), st.booleans())
+def test_depth_is_logarithmic_when_all_reachable(n, fanout, seed, striped):
+    peers = [PlanPeer(f"p{i}") for i in range(n)]
+    plan = plan_broadcast(LEARNER, peers, fanout, seed, striped)
+    assert plan.depth <= math.ceil(math.log(n, fanout)) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 200), st.integers(2, 6), st.integers(0, 10**6))
+def test_striped_plan_uploads_about_one_copy_per_peer(n, fanout, seed):
+    peers = [PlanPeer(f"p{i}") for i in range(n)]
+    plan = plan_broadcast(LEARNER, peers, fanout, seed, striped=True)
+    assert plan.upload_copies(LEARNER) == 1.0
+    uploads = [plan.upload_copies(p.peer_id) for p in peers]
+    # Interior in one stripe with <= k children = 1 copy; a peer borrowed to fill a short stripe
+    # group adds the remainder (< 1/2 copy). On average the N-1 copies spread over N peers.
+    assert max(uploads) <= 1.5
+    assert sum(uploads) / n <= 1.0
+    single = plan_broadcast(LEARNER, peers, fanout, seed, striped=False)
+    if n > fanout + 1:  # a single tree makes its interior peers upload k copies
+        assert max(single.upload_copies(p.peer_id) for p in peers) == fanout
+
+
+def test_plan_is_deterministic_and_order_independent():
+    peers = [PlanPeer(f"p{i}", reachable=i % 3 != 0) for i in range(40)]
+    a = plan_broadcast(LEARNER, peers, 4, seed=7)
+    b = plan_broadcast(LEARNER, list(reversed(peers)), 4, seed=7)
+    c = plan_broadcast(LEARNER, peers, 4, seed=8)
+    assert a == b and a != c
+
+
+def test_no_reachable_peer_means_learner_serves_all():
+    peers = [PlanPeer(f"p{i}", reachable=False) for i in range(5)]
+    plan = plan_broadcast(LEARNER, peers, 3)
+    for stripe in plan.stripes:
+        assert set(stripe.children) == {LEARNER}
