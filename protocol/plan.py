@@ -9,9 +9,9 @@ and uploads about one copy of the snapshot (``k`` children × 1/k of the chunks)
 learner uploads one copy in all. Depth is at most ⌈log_k N⌉ + 1 hops from the learner.
 
 Peers that cannot be dialled are never interior: they are leaves that dial their parent. When
-too few reachable peers exist to host everyone, interior duty is borrowed from other stripes'
-groups (those peers then upload more than one copy), and as a last resort the learner adopts
-the remaining peers directly. ``striped=False`` gives a single pipelined k-ary tree.
+a stripe's group is short, it borrows spare child slots of peers whose stripes need fewer
+(each peer has k slots in all = one copy); when reachable peers are too few, parents exceed
+their slots, and as a last resort the learner adopts the remaining peers directly. ``striped=False`` gives a single pipelined k-ary tree.
 """
 
 from __future__ import annotations
@@ -93,51 +93,76 @@ def plan_broadcast(
     n_stripes = fanout if striped and len(order) > 1 else 1
     reachable = [p.peer_id for p in order if p.reachable]
     groups = [reachable[j::n_stripes] for j in range(n_stripes)]
-    interior_load = {p: 0 for p in reachable}
-    stripes = []
-    for j in range(n_stripes):
-        interior = _interior_for_stripe(groups, j, len(order), fanout, interior_load)
-        for p in interior:
-            interior_load[p] += 1
-        stripes.append(_build_stripe(j, learner, order, interior, fanout))
-    return BroadcastPlan(learner, fanout, tuple(stripes), tuple(sorted(ids)))
+    # Child slots each peer has left across all stripes: k slots = one copy of the snapshot.
+    budget = {p: fanout * n_stripes if n_stripes == 1 else fanout for p in reachable}
+    needed = math.ceil(max(len(order) - 1, 0) / fanout)  # parents needed in a full k-ary stripe
+    stripes: dict[int, Stripe] = {}
+    # Stripes whose own group suffices go first; short ones then borrow leftover slots.
+    for j in sorted(range(n_stripes), key=lambda j: (len(groups[j]) < needed, j)):
+        interior = _interior_for_stripe(groups, j, len(order), fanout, budget, set(stripes))
+        stripes[j] = _build_stripe(j, learner, order, interior, fanout, budget)
+    return BroadcastPlan(learner, fanout, tuple(stripes[j] for j in range(n_stripes)), tuple(sorted(ids)))
 
 
 def _interior_for_stripe(
-    groups: list[list[str]], j: int, n: int, fanout: int, load: dict[str, int]
+    groups: list[list[str]], j: int, n_peers: int, fanout: int, budget: dict[str, int], built: set[int]
 ) -> list[str]:
-    """Stripe j's interior peers: its own group first, then borrowed (least-loaded first)."""
-    needed = math.ceil(max(n - 1, 0) / fanout)  # parents needed under the stripe root
-    interior = list(groups[j])[: max(needed, 1)]
-    if len(interior) < max(needed, 1):
-        others = [p for g in groups for p in g if p not in interior]
-        others.sort(key=lambda p: load[p])
-        interior += others[: max(needed, 1) - len(interior)]
+    """Stripe j's interior peers: its own group, then, if their slots cannot host the other
+    peers, just enough borrowed peers to cover the shortfall: first the spare slots of groups
+    whose stripes are built, then peers of groups still to come (most slots left first)."""
+    interior = list(groups[j])
+    shortfall = max(n_peers - 1, 0) - sum(min(budget[p], fanout) for p in interior)
+    own = set(interior)
+    candidates = [(g not in built, -budget[p], i, p) for g, grp in enumerate(groups) for i, p in enumerate(grp)]
+    for *_, p in sorted(c for c in candidates if c[3] not in own):
+        if shortfall <= 0:
+            break
+        interior.append(p)
+        shortfall -= min(max(budget[p], 0), fanout) or fanout  # exhausted peers exceed budget
     return interior
 
 
-def _build_stripe(j: int, learner: str, order: list[PlanPeer], interior: list[str], fanout: int) -> Stripe:
+def _build_stripe(
+    j: int, learner: str, order: list[PlanPeer], interior: list[str], fanout: int, budget: dict[str, int]
+) -> Stripe:
+    """Breadth-first placement: interior peers first (shallow), each parent taking up to its
+    remaining slots (at most k); if slots run out, parents exceed their budget (up to k here),
+    and only then does the learner adopt the rest."""
     interior_set = set(interior)
-    rest = [p.peer_id for p in order if p.peer_id not in interior_set]
-    placement = interior + rest
-    children: dict[str, list[str]] = {learner: []}
+    placement = interior + [p.peer_id for p in order if p.peer_id not in interior_set]
     if not placement:
         return Stripe(j, {learner: ()})
-    root, *others = placement
-    if root in interior_set:
-        children[learner].append(root)
-        parents = deque([root])
-    else:  # nobody can relay: the learner serves everyone itself
-        children[learner].extend(placement)
+    if placement[0] not in interior_set:  # nobody can relay: the learner serves everyone itself
         return Stripe(j, {learner: tuple(placement)})
-    for peer in others:
-        if parents:
-            parent = parents[0]
-            children.setdefault(parent, []).append(peer)
-            if len(children[parent]) >= fanout:
-                parents.popleft()
-        else:
-            children[learner].append(peer)
-        if peer in interior_set:
-            parents.append(peer)
+    children: dict[str, list[str]] = {learner: [placement[0]]}
+    unplaced = _place(placement[1:], [placement[0]], interior_set, children, fanout, budget, strict=True)
+    if unplaced:
+        relays = [p for p in placement if p in interior_set and p not in unplaced]
+        unplaced = _place(unplaced, relays, interior_set, children, fanout, budget, strict=False)
+    children[learner].extend(unplaced)
     return Stripe(j, {p: tuple(cs) for p, cs in children.items() if cs})
+
+
+def _place(
+    peers: list[str], parents: list[str], interior: set[str], children: dict[str, list[str]],
+    fanout: int, budget: dict[str, int], strict: bool,
+) -> list[str]:
+    """Attach ``peers`` in order to the first parent with room; return those left over."""
+    def room(parent: str) -> bool:
+        mine = len(children.get(parent, ()))
+        return mine < fanout and (not strict or budget[parent] > 0)
+
+    queue = deque(p for p in parents if room(p))
+    left = []
+    for peer in peers:
+        while queue and not room(queue[0]):
+            queue.popleft()
+        if not queue:
+            left.append(peer)
+            continue
+        parent = queue[0]
+        children.setdefault(parent, []).append(peer)
+        budget[parent] -= 1
+        if peer in interior and room(peer):
+            queue.append(peer)
+    return left

@@ -61,9 +61,9 @@ def test_striped_plan_uploads_about_one_copy_per_peer(n, fanout, seed):
     plan = plan_broadcast(LEARNER, peers, fanout, seed, striped=True)
     assert plan.upload_copies(LEARNER) == 1.0
     uploads = [plan.upload_copies(p.peer_id) for p in peers]
-    # Interior in one stripe with <= k children = 1 copy; a peer borrowed to fill a short stripe
-    # group adds the remainder (< 1/2 copy). On average the N-1 copies spread over N peers.
-    assert max(uploads) <= 1.5
+    # k child slots per peer across all stripes = one copy; a peer borrowed to fill a short
+    # stripe group uses its spare slots (or, at worst, one stripe's extra share).
+    assert max(uploads) <= 1 + 1 / fanout + 1e-9
     assert sum(uploads) / n <= 1.0
     single = plan_broadcast(LEARNER, peers, fanout, seed, striped=False)
     if n > fanout + 1:  # a single tree makes its interior peers upload k copies
