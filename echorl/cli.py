@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("echorl.node.daemon", "run a volunteer node daemon that generates rollouts"),
     "status": ("echorl.node.status", "show peers, versions, throughput and staleness of a run"),
     "train-local": ("echorl.learner.local", "learner + actor workers in local processes, no network"),
-    "keygen": ("echorl.protocol.keyfile_cli", "create (or show) a persistent Ed25519 peer key"),
+    "keygen": ("echorl.keygen", "create (or show) a persistent Ed25519 peer key"),
 }
 
 
