@@ -53,8 +53,9 @@ def encode_delta(old: bytes, new: bytes, level: int = 1) -> bytes:
         entry = {"name": t.name, "count": int(changed.size), "gaps": b"", "values": b""}
         if changed.size == 0:
             entry["mode"] = "same"
-        elif changed.size > DENSE_FRACTION * b.size:
+        elif changed.size > DENSE_FRACTION * b.size or b.size >= 2**32:  # uint32 gaps must not wrap
             entry["mode"] = "dense"
+            entry["count"] = int(b.size)
             entry["values"] = zlib.compress(b.tobytes(), level)
         else:
             entry["mode"] = "sparse"
@@ -72,7 +73,7 @@ def _inflate(data: bytes, expected: int, what: str) -> bytes:
         out = inflater.decompress(data, expected + 1)
     except zlib.error as exc:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, f"{what}: {exc}") from None
-    if len(out) != expected or inflater.unconsumed_tail:
+    if len(out) != expected or inflater.unconsumed_tail or inflater.unused_data or not inflater.eof:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, f"{what}: wrong decompressed size")
     return out
 
@@ -124,6 +125,8 @@ def _apply_tensor(out: bytearray, t, entry) -> None:
     if mode == "same":
         return
     if mode == "dense":
+        if count != n:
+            raise ProtocolError(ErrorCode.BAD_MANIFEST, f"dense entry for {t.name[:64]!r} must count every element")
         target[:] = np.frombuffer(_inflate(values, n * width, t.name), dtype=_UINT[width])
         return
     if mode != "sparse":

@@ -238,10 +238,87 @@ class Error(Message):
     detail: Text
 
 
+# --- broadcast (node/broadcast.py, node/relay.py) ---------------------------------------------
+class PlanMember(WireModel):
+    peer_id: PeerId
+    reachable: bool  # may be interior (others can dial it)
+    addrs: Annotated[list[Text], Field(max_length=16)]  # where its children dial it
+
+
+class PlanAnnounce(Message):
+    """Learner → every node of a broadcast: the signed manifest of ``version`` and the members
+    from which every node computes the same relay plan (``shape``: "striped" = DESIGN §6
+    SplitStream plan, "tree" = one k-ary tree, "star" = everyone fetches from the learner).
+    Signed by the learner, so a relay cannot redirect traffic or change the plan."""
+
+    SIGNED: ClassVar[bool] = True
+    type: Literal["plan_announce"] = "plan_announce"
+    run_id: RunId
+    learner_peer_id: PeerId
+    version: Version
+    manifest: Manifest
+    shape: Literal["striped", "tree", "star"]
+    fanout: Annotated[int, Field(ge=1, le=64)]
+    seed: Annotated[int, Field(ge=0, lt=2**63)]
+    learner_addrs: Annotated[list[Text], Field(max_length=16)]
+    members: Annotated[list[PlanMember], Field(max_length=4096)]
+    created_at: Finite
+    signature: Signature = b"\0" * 64
+
+
+class Subscribe(Message):
+    """Child → parent, first frame of a chunk stream: send me stripe ``stripe`` of ``version``
+    (then the parent writes ``Chunk`` frames, in chunk order, as each chunk is verified)."""
+
+    type: Literal["subscribe"] = "subscribe"
+    run_id: RunId
+    version: Version
+    stripe: Annotated[int, Field(ge=0, le=64)]
+
+
+class BroadcastDone(Message):
+    """Node → learner: ``version`` is applied and verified (``ok``) or given up; ``suspects``
+    are parents that sent bad chunks or stalled past the deadline."""
+
+    type: Literal["broadcast_done"] = "broadcast_done"
+    run_id: RunId
+    version: Version
+    ok: bool
+    seconds: NonNegFinite  # announce received → version verified
+    recovered_chunks: Count  # chunks fetched outside the plan
+    suspects: Annotated[list[PeerId], Field(max_length=64)]
+    detail: Text
+
+
+class BroadcastAck(Message):
+    type: Literal["broadcast_ack"] = "broadcast_ack"
+    run_id: RunId
+    version: Version  # the version acknowledged
+    have_version: Version  # the newest version the replier holds verified
+
+
+class CatchUpRequest(Message):
+    """Any holder: the manifests a node needs to reach the newest version from ``have_version``."""
+
+    type: Literal["catch_up_request"] = "catch_up_request"
+    run_id: RunId
+    have_version: Version  # -1: nothing
+
+
+class CatchUp(Message):
+    """The newest full snapshot's manifest and every delta after it (or only the deltas after
+    ``have_version`` when the requester holds a version of the chain), oldest first."""
+
+    type: Literal["catch_up"] = "catch_up"
+    run_id: RunId
+    manifests: Annotated[list[Manifest], Field(max_length=256)]
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseReturn, Submit, SubmitAccepted,
         Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
+        PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp,
     )
 }

@@ -143,6 +143,8 @@ def verify_manifest(manifest: Manifest, learner_peer_id: str, run_id: str | None
     verify(manifest, expected_signer=learner_peer_id)
     if run_id is not None and manifest.run_id != run_id:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, f"manifest is for run {manifest.run_id!r}")
+    if manifest.version < 0 or manifest.parent_version >= manifest.version:
+        raise ProtocolError(ErrorCode.BAD_MANIFEST, "version must be >= 0 and newer than its parent")
     sizes = [c.size for c in manifest.chunks]
     if sum(sizes) != manifest.payload_bytes:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, "chunk sizes do not add up to payload_bytes")
