@@ -202,6 +202,7 @@ def build_default_model(
                       "warmup": warmup and asdict(warmup), "warmup_result": info,
                       "parameters": sum(p.numel() for p in model.parameters())}
             (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)

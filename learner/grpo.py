@@ -212,6 +212,7 @@ class GRPOTrainer:
 
         t0 = time.perf_counter()
         rows, advs, rewards = [], [], []
+        vocab = int(self.model.config.vocab_size)
         for g in groups:
             if g.rewards is None or len(g.rewards) != len(g.samples):
                 raise ValueError(f"group {g.prompt_id}: rewards missing or wrong length")
@@ -220,6 +221,10 @@ class GRPOTrainer:
             for s, adv in zip(g.samples, a):
                 if not s.token_ids or not g.prompt_token_ids:
                     continue
+                if len(s.logprobs) != len(s.token_ids) or not all(
+                    0 <= t < vocab for t in (*g.prompt_token_ids, *s.token_ids)
+                ):
+                    raise ValueError(f"group {g.prompt_id}: token ids out of range or log-probs misaligned")
                 rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs)))
                 advs.append(adv)
         if not rows:
@@ -241,7 +246,7 @@ class GRPOTrainer:
             adv = torch.tensor(advs[start : start + mb], device=logp.device)
             loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, float(len(rows)))
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             w = float(cmask.sum()) / n_tokens
             for k in totals:
                 totals[k] += st[k] * w

@@ -135,6 +135,9 @@ class Host:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         except Exception as exc:  # noqa: BLE001
             raise ValueError(f"not a /p2p/ multiaddr: {addr!r} ({exc})") from None
+        cache = getattr(self.libp2p.get_network(), "_negative_peer_cache", None)
+        if cache is not None:  # an explicit (re)connect must not be refused for an earlier failure
+            cache.evict(str(info.peer_id))
         try:
             with trio.fail_after(timeout or self.config.connect_timeout_s):
                 await self.libp2p.connect(info)

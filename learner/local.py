@@ -1,0 +1,344 @@
+"""``echorl train-local``: the learner and A actor worker processes on this machine, no network.
+
+The learner (this process) leases prompts to actors through a queue, receives rollout groups,
+recomputes their rewards with the task verifier, applies the staleness rule (buffer), trains
+one GRPO step per batch of ``--prompts-per-step`` accepted groups and publishes weights every
+κ steps into a directory the actors read (visible after ``--actor-delay`` seconds). It writes
+one JSON line per learner step (``--metrics-out``), shows a rich progress bar and prints a
+summary. Heavy imports stay inside functions so ``--help`` is fast.
+
+``learner_busy_frac`` = time inside ``train_step`` + publishing, divided by the wall time since
+the first rollout arrived (actor start-up excluded) minus the time spent on held-out evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="addition", help="built-in task name or module:Class")
+    p.add_argument("--task-option", action="append", metavar="KEY=VALUE", help="task constructor option (repeatable)")
+    p.add_argument("--model", default=None, help="local HF model directory (default: build/reuse the tiny default model)")
+    p.add_argument("--steps", type=int, default=400, help="train until this many optimizer steps (versions)")
+    p.add_argument("--staleness", type=int, default=0, help="S: use a rollout of version b at step t iff t-b <= S")
+    p.add_argument("--publish-every", type=int, default=None, help="κ: publish weights every κ steps (default max(1, S-1))")
+    p.add_argument("--actors", type=int, default=3, help="actor worker processes")
+    p.add_argument("--actor-delay", type=float, default=0.2, help="seconds before a published version is visible to actors")
+    p.add_argument("--group-size", type=int, default=8, help="G samples per prompt")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="accepted groups per optimizer step")
+    p.add_argument("--lease-prompts", type=int, default=4, help="prompts per lease")
+    p.add_argument("--max-inflight", type=int, default=None, help="prompts leased at once (default B if S=0 else 2B)")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--loss-norm", choices=["token", "sequence"], default="token")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of prompt order, sampling, and the default model")
+    p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period in steps (and at the end)")
+    p.add_argument("--metrics-out", default=None, help="JSONL file, one line per step")
+    p.add_argument("--checkpoint-dir", default=None, help="where to write checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--work-dir", default=None, help="scratch directory for published weights (default: a temp dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from echorl.tasks import TaskError, load_task, parse_task_options
+
+    if args.steps < 0 or args.staleness < 0 or args.actors < 1 or args.group_size < 2 or args.prompts_per_step < 1:
+        print("echorl train-local: need --steps >= 0, --staleness >= 0, --actors >= 1, --group-size >= 2, "
+              "--prompts-per-step >= 1", file=sys.stderr)
+        return 2
+    if args.resume and not args.checkpoint_dir:
+        print("echorl train-local: --resume needs --checkpoint-dir", file=sys.stderr)
+        return 2
+    try:
+        options = parse_task_options(args.task_option)
+        if args.task == "addition":
+            options.setdefault("seed", args.seed)
+        task = load_task(args.task, **options)
+    except TaskError as exc:
+        print(f"echorl train-local: {exc}", file=sys.stderr)
+        return 2
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        print(f"echorl train-local: --model {args.model} is not a HF model directory (no config.json)", file=sys.stderr)
+        return 2
+    return _Loop(args, task).run()
+
+
+class _Loop:
+    """State of one local training run (kept in one object to keep ``run`` readable)."""
+
+    def __init__(self, args: argparse.Namespace, task: Any) -> None:
+        self.args, self.task = args, task
+
+    def setup(self) -> None:
+        import tempfile
+
+        import torch
+
+        from echorl.actor.backend import TorchBackend
+        from echorl.actor.model import build_default_model
+        from echorl.actor.types import SamplingParams
+        from echorl.learner.buffer import StalenessBuffer
+        from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+
+        a = self.args
+        torch.set_num_threads(1)
+        torch.manual_seed(a.seed)
+        self.model_dir = Path(a.model) if a.model else build_default_model(seed=a.seed)
+        cfg = GRPOConfig(lr=a.lr, clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
+                         loss_norm=a.loss_norm, temperature=a.temperature)
+        self.trainer = GRPOTrainer(self.model_dir, cfg)
+        self.buffer = StalenessBuffer(a.staleness, scorer=self.task.reward)
+        self.kappa = a.publish_every or max(1, a.staleness - 1)
+        self.B = a.prompts_per_step
+        self.max_inflight = a.max_inflight or (self.B if a.staleness == 0 else 2 * self.B)
+        self.params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
+                                     max_new_tokens=int(getattr(self.task, "max_new_tokens", 32)),
+                                     stop=list(getattr(self.task, "stop", []) or []))
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.eval_backend = TorchBackend(self.trainer.model, tok)
+        self.eval_set = self.task.eval_prompts()
+        self.eval_ids = [self.eval_backend.encode(p.text) for p in self.eval_set]
+        self._tmp = None
+        if a.work_dir:
+            self.weights_dir = Path(a.work_dir) / "weights"
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="echorl-local-")
+            self.weights_dir = Path(self._tmp.name) / "weights"
+        self.resumed = False
+        if a.resume:
+            from echorl.learner.checkpoint import has_checkpoint, load_checkpoint, restore_trainer
+
+            if has_checkpoint(a.checkpoint_dir):
+                ck = load_checkpoint(a.checkpoint_dir)
+                restore_trainer(self.trainer, ck)
+                self.task.seek(ck.cursor)
+                self.buffer.requeue(ck.pending)
+                self.resumed = True
+
+    def evaluate(self) -> float:
+        t0 = time.perf_counter()
+        samples = self.eval_backend.sample_ids(self.eval_ids, self.params, seed=self.args.seed + 7919)
+        score = sum(self.task.reward(p, s.text) for p, s in zip(self.eval_set, samples)) / len(samples)
+        self.eval_s += time.perf_counter() - t0
+        return score
+
+    def publish(self) -> None:
+        from echorl.actor.worker import publish_weights
+
+        publish_weights(self.weights_dir, self.trainer.state_dict(), self.trainer.version,
+                        keep=max(8, self.args.staleness + self.kappa + 2))
+        self.published = self.trainer.version
+
+    def start_actors(self) -> None:
+        import multiprocessing as mp
+
+        from echorl.actor.worker import actor_main
+
+        ctx = mp.get_context("spawn")
+        self.lease_q, self.result_q, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.procs = [
+            ctx.Process(target=actor_main, daemon=True, name=f"echorl-actor-{i}",
+                        args=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
+                              self.stop, self.args.actor_delay, self.args.seed * 100 + i))
+            for i in range(self.args.actors)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def stop_actors(self) -> None:
+        import queue
+
+        self.stop.set()
+        for _ in self.procs:
+            self.lease_q.put(None)
+        deadline = time.time() + 10
+        for p in self.procs:
+            while p.is_alive() and time.time() < deadline:
+                try:  # drain so no worker blocks on a full pipe
+                    self.result_q.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=2)
+        for q in (self.lease_q, self.result_q):
+            q.cancel_join_thread()
+            q.close()
+
+    def lease_more(self) -> None:
+        from echorl.actor.worker import Lease
+
+        t, S = self.trainer.version, self.args.staleness
+        min_version = min(self.published, max(0, t - max(0, S - 1)))
+        while len(self.buffer.outstanding) + len(self.buffer) < self.max_inflight:
+            n = min(self.args.lease_prompts, self.max_inflight - len(self.buffer.outstanding) - len(self.buffer))
+            prompts = self.buffer.next_prompts(self.task, n)
+            self.lease_id += 1
+            self.leases[self.lease_id] = (prompts, time.time() + self.lease_timeout)
+            self.lease_q.put(Lease(self.lease_id, prompts, self.args.group_size, self.params, min_version))
+
+    def collect(self, timeout: float) -> None:
+        import queue
+
+        block = True
+        while True:
+            try:
+                res = self.result_q.get(timeout=timeout) if block else self.result_q.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            if self.leases.pop(res.lease_id, None) is None:
+                continue  # expired lease: its prompts were re-queued already
+            if res.error:
+                raise RuntimeError(f"actor {res.actor} failed:\n{res.error}")
+            self.gen_s += res.generate_s
+            if self.t_first is None:
+                self.t_first, self.eval_s0 = time.perf_counter(), self.eval_s
+            for g in res.groups:
+                self.buffer.offer(g, self.trainer.version)
+        now = time.time()
+        for lid, (prompts, deadline) in list(self.leases.items()):
+            if deadline < now:
+                del self.leases[lid]
+                self.buffer.requeue([p for p in prompts if p.prompt_id in self.buffer.outstanding])
+        if not any(p.is_alive() for p in self.procs):
+            raise RuntimeError("all actor processes exited")
+
+    def run(self) -> int:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        self.setup()
+        a = self.args
+        self.eval_s, self.gen_s, self.busy_s, self.lease_id = 0.0, 0.0, 0.0, 0
+        self.t_first: float | None = None
+        self.eval_s0 = 0.0
+        self.leases: dict[int, tuple[list, float]] = {}
+        self.lease_timeout = 120.0
+        self.publish()
+        mode = "a" if self.resumed else "w"
+        out = open(a.metrics_out, mode) if a.metrics_out else None
+        self.start_actors()
+        t_start = time.perf_counter()
+        first_eval = self.evaluate()
+        rows: list[dict[str, Any]] = []
+
+        def emit(row: dict[str, Any]) -> None:
+            rows.append(row)
+            if out:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+
+        base = {"rollouts_accepted": 0, "rollouts_rejected_stale": 0, "staleness_max": 0,
+                "staleness_mean": 0.0, "learner_busy_frac": 0.0}
+        if not self.resumed:
+            emit({"step": 0, "version": self.trainer.version, "reward_mean": None, "eval_reward": first_eval,
+                  **base, "seconds": 0.0})
+        try:
+            self._train(emit, console, t_start)
+        finally:
+            self.stop_actors()
+            if out:
+                out.close()
+            if self._tmp:
+                self._tmp.cleanup()
+        self.summary(console, rows, first_eval, time.perf_counter() - t_start)
+        return 0
+
+    def _train(self, emit: Any, console: Any, t_start: float) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        a = self.args
+        last_eval = None
+        with Progress(TextColumn("[bold]train-local"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.description}"), console=console, disable=a.quiet) as bar:
+            job = bar.add_task("", total=a.steps, completed=self.trainer.version)
+            while self.trainer.version < a.steps:
+                self.lease_more()
+                self.collect(timeout=0.0 if len(self.buffer) >= self.B else 0.5)
+                batch = self.buffer.take(self.B, self.trainer.version)
+                if batch is None:
+                    continue
+                staleness = [self.trainer.version - g.behaviour_version for g in batch]
+                t0 = time.perf_counter()
+                m = self.trainer.train_step(batch)
+                if self.trainer.version % self.kappa == 0 or self.trainer.version == a.steps:
+                    self.publish()
+                self.busy_s += time.perf_counter() - t0
+                v = self.trainer.version
+                ev = None
+                if v % a.eval_every == 0 or v == a.steps:
+                    ev = last_eval = self.evaluate()
+                if a.checkpoint_dir and ((a.checkpoint_every and v % a.checkpoint_every == 0) or v == a.steps):
+                    self.checkpoint()
+                wall = time.perf_counter() - t_start
+                c = self.buffer.counters()
+                emit({"step": v, "version": v, "reward_mean": m["reward_mean"], "eval_reward": ev,
+                      "rollouts_accepted": c["rollouts_accepted"],
+                      "rollouts_rejected_stale": c["rollouts_rejected_stale"],
+                      "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
+                      "learner_busy_frac": self.busy_frac(),
+                      "seconds": round(wall, 3), "loss": m["loss"], "clip_frac": m["clip_frac"],
+                      "tis_frac": m["tis_frac"], "logp_abs_diff": m["logp_abs_diff"],
+                      "train_seconds": m["train_seconds"], "published_version": self.published})
+                bar.update(job, completed=v, description=(
+                    f"reward {m['reward_mean']:.2f} eval {last_eval if last_eval is not None else float('nan'):.2f} "
+                    f"stale≤{max(staleness)} rejected {c['rollouts_rejected_stale']} "
+                    f"busy {self.busy_frac():.2f}"))
+
+    def busy_frac(self) -> float:
+        if self.t_first is None:
+            return 0.0
+        span = time.perf_counter() - self.t_first - (self.eval_s - self.eval_s0)
+        return self.busy_s / max(1e-9, span)
+
+    def checkpoint(self) -> None:
+        from echorl.learner.checkpoint import save_checkpoint
+
+        save_checkpoint(self.args.checkpoint_dir, self.trainer, self.task.cursor, self.buffer.pending_prompts(),
+                        extra={"task": self.args.task, "seed": self.args.seed})
+
+    def summary(self, console: Any, rows: list[dict[str, Any]], first_eval: float, seconds: float) -> None:
+        from rich.table import Table
+
+        steps = [r for r in rows if r["step"] > 0]
+        evals = [r["eval_reward"] for r in rows if r["eval_reward"] is not None]
+        c = self.buffer.counters()
+        t = Table(title="echorl train-local summary", show_header=False)
+        items = [
+            ("task / model", f"{self.task.name} / {self.model_dir}"),
+            ("steps (this run) / version", f"{len(steps)} / {self.trainer.version}"),
+            ("eval_reward start → end", f"{first_eval:.3f} → {evals[-1]:.3f}" if evals else "n/a"),
+            ("reward_mean first10 → last10", _first_last(steps)),
+            ("rollouts accepted / rejected stale", f"{c['rollouts_accepted']} / {c['rollouts_rejected_stale']}"),
+            ("staleness max / mean", f"{c['staleness_max']} / {c['staleness_mean']:.2f}"),
+            ("learner busy fraction", f"{steps[-1]['learner_busy_frac']:.2f}" if steps else "n/a"),
+            ("seconds (s/step)", f"{seconds:.1f} ({seconds / max(1, len(steps)):.3f})"),
+            ("actor generate seconds (sum)", f"{self.gen_s:.1f}"),
+        ]
+        for k, v in items:
+            t.add_row(k, v)
+        console.print(t)
+
+
+def _first_last(steps: list[dict[str, Any]]) -> str:
+    if not steps:
+        return "n/a"
+    f = [r["reward_mean"] for r in steps[:10]]
+    last = [r["reward_mean"] for r in steps[-10:]]
+    return f"{sum(f) / len(f):.3f} → {sum(last) / len(last):.3f}"

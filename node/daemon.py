@@ -1,0 +1,238 @@
+"""``echorl node``: the volunteer node daemon: join with a signed capability record, fetch the
+current weights, then lease → generate (in a worker thread) → submit signed rollouts, forever.
+
+Reconnects with exponential backoff (plus jitter) when the learner is unreachable; on SIGTERM or
+SIGINT it returns the lease it holds (so its prompts are re-queued at once) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+log = logging.getLogger("echorl.node.daemon")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", required=True, help="multiaddr of a bootstrap peer (/ip4/…/tcp/…/p2p/<id>)")
+    p.add_argument("--key", default=os.path.expanduser("~/.config/echorl/node.key"),
+                   help="Ed25519 key file (created with mode 0600 if missing)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--price-per-hour", dest="price_per_hour", type=float, default=0.0)
+    p.add_argument("--run-id", dest="run_id", default="echorl-demo")
+    p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
+    p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8)
+
+
+@dataclass
+class NodeState:
+    run_id: str
+    learner: str = ""  # learner peer id (pinned: it signs the manifests)
+    version: int = -1
+    leases_done: int = 0
+    current_lease: str = ""
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        trio.run(main, args)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _capability(args: argparse.Namespace, backend: Any, tokens_per_s: float, addrs: list[str]) -> Any:
+    from echorl.protocol.messages import Capability
+
+    import torch
+
+    device = "cpu"
+    memory = 0
+    if args.device == "cuda" and torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+        memory = int(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return Capability(engine="torch", device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
+                      price_per_hour=float(args.price_per_hour), reachable=True, listen_addrs=addrs[:16])
+
+
+def _load_backend(args: argparse.Namespace) -> tuple[Any, float]:
+    import torch
+
+    from echorl.actor.backend import TorchBackend
+    from echorl.actor.model import build_default_model
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    path = args.model or str(build_default_model(seed=args.seed))
+    device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
+    backend = TorchBackend.from_pretrained(path, device=device)
+    return backend, backend.measure_tokens_per_second()
+
+
+async def main(args: argparse.Namespace) -> None:
+    from echorl.protocol.identity import load_or_create_identity
+
+    from .host import HostConfig, open_host
+
+    identity = load_or_create_identity(args.key)
+    backend, tps = await trio.to_thread.run_sync(_load_backend, args)
+    log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
+    state = NodeState(run_id=args.run_id)
+    async with open_host(identity, HostConfig(listen=args.listen)) as host:
+        cap = _capability(args, backend, tps, host.addrs)
+        async with trio.open_nursery() as nursery:
+            from .membership import Membership
+
+            args._membership = Membership(host, args.run_id, server=True)
+            await nursery.start(args._membership.run)
+            stop = trio.Event()
+            nursery.start_soon(_wait_signal, stop)
+            with trio.CancelScope() as work:
+                nursery.start_soon(_cancel_when, stop, work)
+                await _work_forever(host, args, state, backend, cap)
+            await _return_lease(host, state)
+            nursery.cancel_scope.cancel()
+    log.info("node stopped after %d leases", state.leases_done)
+
+
+async def _wait_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for sig in signals:
+            log.info("signal %s: returning leases and exiting", signal.Signals(sig).name)
+            stop.set()
+            return
+
+
+async def _cancel_when(stop: trio.Event, scope: trio.CancelScope) -> None:
+    await stop.wait()
+    scope.cancel()
+
+
+async def _return_lease(host: Any, state: NodeState) -> None:
+    from echorl.protocol.messages import LeaseReturn
+
+    from . import protocols
+    from .host import PeerUnavailable, RemoteError
+
+    if not state.current_lease or not state.learner:
+        return
+    try:
+        await host.request(state.learner, protocols.RETURN,
+                           LeaseReturn(run_id=state.run_id, lease_ids=[state.current_lease]), timeout=5)
+        log.info("returned lease %s", state.current_lease)
+    except (PeerUnavailable, RemoteError) as exc:
+        log.warning("could not return lease %s: %s", state.current_lease, exc)
+
+
+async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, backend: Any, cap: Any) -> None:
+    from .host import PeerUnavailable, RemoteError
+
+    backoff = 0.5
+    while True:
+        try:
+            await _session(host, args, state, backend, cap)
+        except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
+            log.warning("learner unreachable or refused (%s); retrying in %.1f s", exc, backoff)
+        state.current_lease = ""
+        await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
+        backoff = min(backoff * 2, 15.0)
+
+
+async def _session(host: Any, args: argparse.Namespace, state: NodeState, backend: Any, cap: Any) -> None:
+    """Connect, join, then loop lease → generate → submit until an error ends the session."""
+    import secrets
+
+    from echorl.protocol import wire
+    from echorl.protocol.errors import ErrorCode
+    from echorl.protocol.messages import JoinAccepted, JoinRequest, Lease, LeaseRequest
+
+    from . import protocols
+    from .host import RemoteError
+    from .membership import find_learner
+
+    state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None))
+    join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=state.version,
+                                 timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
+    accepted = await host.request(state.learner, protocols.JOIN, join, expect=JoinAccepted)
+    assert isinstance(accepted, JoinAccepted)
+    log.info("joined run %s at learner version %d (S=%d)", state.run_id, accepted.version, accepted.staleness_bound)
+    if getattr(args, "_membership", None) is not None:
+        await args._membership.provide()
+    learner_version = accepted.version
+    idle = 0.05
+    while True:
+        if learner_version > state.version:
+            await _update_weights(host, state, backend)
+        try:
+            lease = await host.request(state.learner, protocols.LEASE,
+                                       LeaseRequest(run_id=state.run_id, version=state.version,
+                                                    max_prompts=args.max_prompts), expect=Lease)
+        except RemoteError as exc:
+            if exc.code == ErrorCode.UNAVAILABLE:
+                if "weights too old" in exc.detail:
+                    learner_version = state.version + 1
+                else:
+                    await trio.sleep(idle)
+                    idle = min(idle * 1.5, 0.5)
+                continue
+            raise
+        idle = 0.05
+        assert isinstance(lease, Lease)
+        state.current_lease = lease.lease_id
+        reply = await _generate_and_submit(host, state, backend, lease)
+        state.current_lease = ""
+        state.leases_done += 1
+        learner_version = reply.version
+
+
+async def _update_weights(host: Any, state: NodeState, backend: Any) -> None:
+    from .weights import fetch_weights
+
+    got = await fetch_weights(host, state.learner, state.run_id, state.version)
+    if got is not None:
+        version, sd, seconds = got
+        await trio.to_thread.run_sync(backend.load_state_dict, sd, version)
+        state.version = version
+        log.debug("weights v%d in %.3f s", version, seconds)
+
+
+async def _generate_and_submit(host: Any, state: NodeState, backend: Any, lease: Any) -> Any:
+    import secrets
+
+    from echorl.actor.types import SamplingParams
+    from echorl.protocol import wire
+    from echorl.protocol.messages import RolloutGroup, Sample, Submit, SubmitAccepted
+
+    from . import protocols
+
+    sp = lease.sampling
+    params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))
+    version = state.version
+    t0 = time.perf_counter()
+    groups = await trio.to_thread.run_sync(backend.generate, [p.text for p in lease.prompts], lease.group_size, params)
+    seconds = time.perf_counter() - t0
+    wire_groups = [
+        RolloutGroup(prompt_id=p.prompt_id, samples=[
+            Sample(token_ids=list(s.token_ids), logprobs=[min(0.0, float(x)) for x in s.logprobs],
+                   finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "eos") else "stop",
+                   reward_hint=0.0) for s in g])
+        for p, g in zip(lease.prompts, groups)
+    ]
+    submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,
+                    groups=wire_groups, generate_seconds=seconds, nonce=secrets.token_bytes(16))
+    submit = await trio.to_thread.run_sync(wire.sign, submit, host.identity)
+    reply = await host.request(state.learner, protocols.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
+    return reply

@@ -1,0 +1,126 @@
+"""``echorl demo``: a learner and N node daemons as separate OS processes on 127.0.0.1, with the
+default tiny model and the addition task; live progress, a clean stop (also on Ctrl-C) and a
+summary. The supervisor only starts, watches and stops processes; all work is in the children."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--staleness", type=int, default=4)
+    p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="", help="keys, logs and the address file (default: a temp dir)")
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "echorl.cli", *args], env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+def _stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="echorl-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    metrics = Path(args.metrics_out).resolve()
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    print(f"echorl demo: building the tiny model (cached after the first run); logs in {work}", flush=True)
+    from echorl.actor.model import build_default_model
+
+    model_dir = build_default_model(seed=args.seed)
+    addr_file = work / "learner.addr"
+    addr_file.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    try:
+        learner = _spawn(["learner", "--steps", str(args.steps), "--staleness", str(args.staleness), "--seed",
+                          str(args.seed), "--model", str(model_dir), "--metrics-out", str(metrics),
+                          "--addr-file", str(addr_file)], work / "learner.log")
+        procs.append(learner)
+        while not addr_file.exists():
+            if learner.poll() is not None:
+                print((work / "learner.log").read_text()[-3000:], file=sys.stderr)
+                return 1
+            time.sleep(0.1)
+        addr = addr_file.read_text().strip()
+        print(f"learner: {addr}\n  status: echorl status --bootstrap {addr}", flush=True)
+        for i in range(args.nodes):
+            procs.append(_spawn(["node", "--bootstrap", addr, "--key", str(work / f"node{i}.key"), "--seed",
+                                 str(args.seed), "--model", str(model_dir)], work / f"node{i}.log"))
+        last_step = -1
+        while learner.poll() is None:
+            time.sleep(1.0)
+            rows = _rows(metrics)
+            if rows and rows[-1].get("step", 0) != last_step:
+                r = rows[-1]
+                last_step = r.get("step", 0)
+                ev = next((x["eval_reward"] for x in reversed(rows) if "eval_reward" in x), None)
+                print(f"  step {last_step:4d}/{args.steps}  reward {r.get('reward_mean', 0):.3f}  eval "
+                      f"{ev if ev is None else round(ev, 3)}  nodes {r.get('nodes_active', '-')}  "
+                      f"staleness_max {r.get('staleness_max', '-')}  {time.monotonic() - t0:.0f} s", flush=True)
+            dead = [p for p in procs[1:] if p.poll() is not None]
+            if len(dead) == args.nodes and args.nodes > 0:
+                print("all nodes exited; see their logs", file=sys.stderr)
+                break
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the swarm", flush=True)
+        _stop(procs)
+        return 130
+    _stop(procs)
+    return _summary(metrics, learner.returncode, time.monotonic() - t0, args)
+
+
+def _summary(metrics: Path, rc: int | None, seconds: float, args: argparse.Namespace) -> int:
+    rows = _rows(metrics)
+    evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    if not steps or not evals:
+        print("no training steps recorded", file=sys.stderr)
+        return 1
+    last = steps[-1]
+    contributing = sum(1 for v in last.get("per_node_groups", {}).values() if v > 0)
+    print(f"\nsummary: {last['step']} steps in {seconds:.0f} s; eval_reward {evals[0]:.3f} -> {evals[-1]:.3f}; "
+          f"nodes contributing {contributing}/{args.nodes}; staleness_max {last['staleness_max']} (S={args.staleness}); "
+          f"signatures verified {last['signatures_verified']}; leases expired {last['leases_expired']}; "
+          f"required vs available rollouts/s {last['required_rollouts_per_s'] and round(last['required_rollouts_per_s'], 1)}"
+          f" vs {round(last['available_rollouts_per_s'], 1)}; metrics in {metrics}", flush=True)
+    return 0 if rc == 0 and last["step"] >= args.steps else 1

@@ -1,0 +1,294 @@
+"""The learner's network handlers: join, lease, submit, return, status, and the liveness sweep.
+
+Every submission is checked in this order, and a refusal changes only rejection counters:
+run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signature``) → nonce
+not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
+``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
+staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued).
+Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from echorl.actor.types import RolloutGroup as ActorGroup
+from echorl.actor.types import Sample as ActorSample
+from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.protocol import limits, wire
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import (
+    Capability, JoinAccepted, JoinRequest, Lease, LeasePrompt, LeaseRequest, LeaseReturn, Message,
+    SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
+)
+
+from . import protocols
+from .host import Host, PeerUnavailable, RequestContext
+from .leases import LeaseBook, LeaseRecord
+
+log = logging.getLogger("echorl.node.learner")
+
+
+@dataclass
+class LeasePolicy:
+    staleness: int = 4
+    group_size: int = 8
+    prompts_per_step: int = 16
+    prompts_per_lease: int = 8
+    lease_timeout_s: float = 30.0
+    liveness_after_s: float = 3.0  # ping a lease holder not heard from for this long
+    ping_timeout_s: float = 3.0
+    heartbeat_s: float = 2.0
+    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
+        temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
+
+    @property
+    def version_lag(self) -> int:
+        """How old a node's weights may be when it is given a lease."""
+        return 0 if self.staleness <= 1 else 1
+
+    @property
+    def in_flight_cap(self) -> int:
+        """Buffered + leased prompts allowed, so results stay within the staleness bound."""
+        return self.prompts_per_step * max(1, self.staleness - self.version_lag)
+
+
+@dataclass
+class PeerRecord:
+    peer_id: str
+    capability: Capability
+    joined_at: float
+    last_seen: float
+    version: int = -1
+    alive: bool = True
+    leases_done: int = 0
+    groups_accepted: int = 0
+    generate_seconds: float = 0.0
+    groups_generated: int = 0
+
+    @property
+    def rollouts_per_s(self) -> float:
+        """Measured rollout-group throughput while generating (μ_i of the capacity model)."""
+        return self.groups_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+
+class LearnerService:
+    def __init__(self, identity: Identity, run_id: str, task: Any, tokenizer: Any,
+                 buffer: StalenessBuffer, policy: LeasePolicy, vocab_size: int) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.task = task
+        self.tokenizer = tokenizer
+        self.buffer = buffer
+        self.policy = policy
+        self.vocab_size = vocab_size
+        self.book = LeaseBook()
+        self.peers: dict[str, PeerRecord] = {}
+        self.version = 0
+        self.accepted = trio.Event()
+        self.counters: dict[str, int] = {
+            "signatures_verified": 0, "rollouts_rejected_invalid": 0, "submissions_rejected_replay": 0,
+            "submissions_rejected_unknown_lease": 0, "submissions_rejected_stale": 0,
+            "submissions_accepted": 0, "groups_received": 0,
+        }
+        self.learner_summary: dict[str, Any] = {}  # filled by the trainer loop for status
+        self.host: Host | None = None
+
+    # --- wiring -------------------------------------------------------------------------------
+    def install(self, host: Host) -> None:
+        self.host = host
+        for proto, handler, req in (
+            (protocols.JOIN, self.on_join, JoinRequest), (protocols.LEASE, self.on_lease, LeaseRequest),
+            (protocols.SUBMIT, self.on_submit, Submit), (protocols.RETURN, self.on_return, LeaseReturn),
+            (protocols.STATUS, self.on_status, StatusRequest),
+        ):
+            host.route(proto, handler, request=req, max_request_bytes=protocols.MAX_REQUEST_BYTES[proto],
+                       rate=protocols.RATES[proto])
+
+    def _peer(self, ctx: RequestContext) -> PeerRecord:
+        rec = self.peers.get(ctx.peer_id)
+        if rec is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "not joined: send a join request first")
+        rec.last_seen = time.monotonic()
+        rec.alive = True
+        return rec
+
+    # --- handlers -----------------------------------------------------------------------------
+    async def on_join(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, JoinRequest)
+        if msg.run_id != self.run_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"run {msg.run_id!r} is not served here")
+        wire.verify(msg, expected_signer=ctx.peer_id)
+        if abs(msg.timestamp - time.time()) > limits.MAX_CLOCK_SKEW_S:
+            raise ProtocolError(ErrorCode.REPLAY, "join timestamp outside the clock-skew window")
+        self.book.check_nonce(msg.nonce)
+        self.book.settle(f"join:{msg.nonce.hex()}", "join", msg.nonce)
+        self.counters["signatures_verified"] += 1
+        now = time.monotonic()
+        old = self.peers.get(ctx.peer_id)
+        rec = PeerRecord(ctx.peer_id, msg.capability, now, now, msg.version)
+        if old is not None:  # a re-join keeps the throughput history
+            rec.leases_done, rec.groups_accepted = old.leases_done, old.groups_accepted
+            rec.generate_seconds, rec.groups_generated = old.generate_seconds, old.groups_generated
+        self.peers[ctx.peer_id] = rec
+        if self.host is not None:
+            self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
+        log.info("joined: %s (%s, %.0f tok/s)", ctx.peer_id[:16], msg.capability.device, msg.capability.tokens_per_s)
+        return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.version,
+                            staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
+
+    async def on_lease(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, LeaseRequest)
+        peer = self._peer(ctx)
+        peer.version = msg.version
+        pol = self.policy
+        min_version = max(0, self.version - pol.version_lag)
+        if msg.version < min_version:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, f"weights too old: fetch version >= {min_version}")
+        room = pol.in_flight_cap - len(self.buffer) - self.book.outstanding_prompts()
+        n = min(msg.max_prompts, pol.prompts_per_lease, room)
+        if n <= 0:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, "paced: enough rollouts in flight")
+        prompts = self.buffer.next_prompts(self.task, n)
+        rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), pol.lease_timeout_s)
+        return Lease(lease_id=rec.lease_id, run_id=self.run_id,
+                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
+                     group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
+                     deadline_s=pol.lease_timeout_s)
+
+    async def on_submit(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, Submit)
+        try:
+            if msg.run_id != self.run_id:
+                raise ProtocolError(ErrorCode.SCHEMA, f"run {msg.run_id!r} is not served here")
+            await trio.to_thread.run_sync(wire.verify, msg, ctx.peer_id)
+        except ProtocolError:
+            self.counters["rollouts_rejected_invalid"] += 1
+            raise
+        self.counters["signatures_verified"] += 1
+        try:
+            self.book.check_nonce(msg.nonce)
+            rec = self.book.lookup(msg.lease_id, ctx.peer_id)
+        except ProtocolError as exc:
+            key = "submissions_rejected_replay" if exc.code == ErrorCode.REPLAY else "submissions_rejected_unknown_lease"
+            self.counters[key] += 1
+            raise
+        peer = self._peer(ctx)
+        try:
+            groups = self._convert(msg, rec)
+        except ProtocolError:
+            self._settle_refused(rec, msg.nonce, "invalid")
+            self.counters["rollouts_rejected_invalid"] += 1
+            raise
+        b = msg.behaviour_version
+        if self.version - b > self.policy.staleness or b < rec.min_version:
+            self._settle_refused(rec, msg.nonce, "stale")
+            self.counters["submissions_rejected_stale"] += 1
+            raise ProtocolError(ErrorCode.STALE_VERSION,
+                                f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
+        self.book.settle(rec.lease_id, "result", msg.nonce)
+        accepted = sum(1 for g in groups if self.buffer.offer(g, self.version) == Verdict.ACCEPTED)
+        self.counters["submissions_accepted"] += 1
+        self.counters["groups_received"] += len(groups)
+        peer.leases_done += 1
+        peer.groups_accepted += accepted
+        peer.generate_seconds += msg.generate_seconds
+        peer.groups_generated += len(groups)
+        peer.version = max(peer.version, b)
+        self.accepted.set()
+        return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version)
+
+    def _settle_refused(self, rec: LeaseRecord, nonce: bytes, how: str) -> None:
+        self.book.settle(rec.lease_id, how, nonce)
+        self.buffer.requeue(rec.prompts)
+
+    def _convert(self, msg: Submit, rec: LeaseRecord) -> list[ActorGroup]:
+        """Wire groups → actor groups; the learner tokenizes prompts and decodes completions
+        itself (the node's text and rewards are never trusted)."""
+        by_id = {p.prompt_id: p for p in rec.prompts}
+        if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
+            raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
+        stop = self.policy.sampling.stop
+        out = []
+        for g in msg.groups:
+            if len(g.samples) != rec.group_size:
+                raise ProtocolError(ErrorCode.SCHEMA, f"group {g.prompt_id}: {len(g.samples)} samples, lease says {rec.group_size}")
+            prompt = by_id[g.prompt_id]
+            samples = []
+            for s in g.samples:
+                if len(s.token_ids) > self.policy.sampling.max_new_tokens or any(t >= self.vocab_size for t in s.token_ids):
+                    raise ProtocolError(ErrorCode.SCHEMA, "completion too long or token id out of vocabulary")
+                text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                cuts = [text.find(x) for x in stop if x in text]
+                text = text[: min(cuts)] if cuts else text
+                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text))
+            ids = list(self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+            out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
+                                  [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))
+        return out
+
+    async def on_return(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, LeaseReturn)
+        self._peer(ctx)
+        returned = self.book.return_leases(ctx.peer_id, list(msg.lease_ids))
+        for rec in returned:
+            self.buffer.requeue(rec.prompts)
+        return LeaseReturn(run_id=self.run_id, lease_ids=[r.lease_id for r in returned])
+
+    async def on_status(self, msg: Message, ctx: RequestContext) -> Message:
+        return self.status()
+
+    def status(self) -> Status:
+        now = time.monotonic()
+        learner = {"peer_id": self.identity.peer_id, "version": self.version, "staleness_bound": self.policy.staleness,
+                   "buffer": len(self.buffer), "leases_active": len(self.book.active),
+                   "leases_expired": self.book.expired, **self.counters}
+        learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
+        peers = []
+        for p in self.peers.values():
+            c = p.capability
+            peers.append({"peer_id": p.peer_id, "device": c.device, "engine": c.engine, "version": p.version,
+                          "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
+                          "leases": len(self.book.held_by(p.peer_id)), "leases_done": p.leases_done,
+                          "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
+                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive})
+        return Status(run_id=self.run_id, learner=learner, peers=peers)
+
+    # --- maintenance --------------------------------------------------------------------------
+    def active_peers(self, window_s: float = 30.0) -> list[PeerRecord]:
+        now = time.monotonic()
+        return [p for p in self.peers.values() if p.alive and now - p.last_seen < window_s]
+
+    async def maintain(self, interval_s: float = 0.5) -> None:
+        """Forever: expire overdue leases; ping quiet lease holders and expire a dead one's
+        leases at once (a SIGKILLed or frozen node is noticed in seconds, not at the deadline)."""
+        while True:
+            for rec in self.book.expire_due(time.monotonic()):
+                log.info("lease %s of %s expired", rec.lease_id, rec.peer_id[:16])
+                self.buffer.requeue(rec.prompts)
+            now = time.monotonic()
+            quiet = {r.peer_id for r in self.book.active.values()
+                     if now - self.peers[r.peer_id].last_seen > self.policy.liveness_after_s} if self.peers else set()
+            if quiet and self.host is not None:
+                async with trio.open_nursery() as nursery:
+                    for pid in quiet:
+                        nursery.start_soon(self._probe, pid)
+            await trio.sleep(interval_s)
+
+    async def _probe(self, peer_id: str) -> None:
+        assert self.host is not None
+        try:
+            await self.host.ping(peer_id, timeout=self.policy.ping_timeout_s)
+            self.peers[peer_id].last_seen = time.monotonic()
+        except PeerUnavailable as exc:
+            gone = self.book.expire_peer(peer_id)
+            for rec in gone:
+                self.buffer.requeue(rec.prompts)
+            self.peers[peer_id].alive = False
+            log.warning("peer %s unresponsive (%s): %d leases expired", peer_id[:16], exc, len(gone))

@@ -1,0 +1,111 @@
+"""``echorl status``: peers, versions, throughput and staleness of a run, from any machine that
+can reach one bootstrap peer. Finds the learner through the DHT's signed learner record (or
+the bootstrap peer itself), asks it for ``Status``, and lists the nodes the DHT knows as
+providers of the run. ``--json`` prints one object; ``--watch`` refreshes a rich table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import trio
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", required=True, help="multiaddr of any bootstrap peer of the run")
+    p.add_argument("--run-id", dest="run_id", default="echorl-demo")
+    p.add_argument("--json", action="store_true", help="print one machine-readable object")
+    p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
+    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--timeout", type=float, default=20.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        return trio.run(_main, args)
+    except KeyboardInterrupt:
+        return 130
+
+
+async def fetch_status(host: Any, membership: Any, bootstrap: str, run_id: str) -> dict[str, Any]:
+    from echorl.protocol.messages import Status, StatusRequest
+
+    from . import protocols
+    from .membership import find_learner
+
+    learner = await find_learner(host, bootstrap, run_id, membership)
+    reply = await host.request(learner, protocols.STATUS, StatusRequest(), expect=Status)
+    assert isinstance(reply, Status)
+    dht_nodes = await membership.find_nodes(timeout=5.0) if membership is not None else []
+    return {"run_id": reply.run_id, "learner": dict(reply.learner), "peers": [dict(p) for p in reply.peers],
+            "dht_nodes": dht_nodes, "fetched_at": time.time()}
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from echorl.protocol.identity import Identity
+
+    from .host import HostConfig, PeerUnavailable, RemoteError, open_host
+    from .membership import Membership
+
+    async with open_host(Identity.generate(), HostConfig()) as host:
+        async with trio.open_nursery() as nursery:
+            membership = Membership(host, args.run_id, server=False)
+            await nursery.start(membership.run)
+            try:
+                while True:
+                    with trio.fail_after(args.timeout):
+                        status = await fetch_status(host, membership, args.bootstrap, args.run_id)
+                    if args.json:
+                        print(json.dumps(status), flush=True)
+                    else:
+                        render(status, clear=args.watch)
+                    if not args.watch:
+                        break
+                    await trio.sleep(args.interval)
+            except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
+                print(f"echorl status: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            finally:
+                nursery.cancel_scope.cancel()
+    return 0
+
+
+def _fmt(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def render(status: dict[str, Any], clear: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if clear:
+        console.clear()
+    L = status["learner"]
+    lt = Table(title=f"learner of run {status['run_id']}")
+    for col in ("peer", "step", "version", "S", "buffer", "busy", "reward", "eval", "required μ/s", "available μ/s",
+                "leases", "expired", "sig ok", "invalid"):
+        lt.add_column(col)
+    lt.add_row(str(L.get("peer_id", ""))[-10:], _fmt(L.get("step")), _fmt(L.get("version")),
+               _fmt(L.get("staleness_bound")), _fmt(L.get("buffer")), _fmt(L.get("busy_fraction")),
+               _fmt(L.get("reward_mean")), _fmt(L.get("eval_reward")), _fmt(L.get("required_rollouts_per_s"), 1),
+               _fmt(L.get("available_rollouts_per_s"), 1), _fmt(L.get("leases_active")),
+               _fmt(L.get("leases_expired")), _fmt(L.get("signatures_verified")), _fmt(L.get("rollouts_rejected_invalid")))
+    console.print(lt)
+    pt = Table(title=f"nodes ({len(status['peers'])} joined, {len(status['dht_nodes'])} in the DHT)")
+    for col in ("peer", "device", "engine", "version", "tokens/s", "μ groups/s", "leases", "done", "last seen", "price/h", "alive"):
+        pt.add_column(col)
+    for p in status["peers"]:
+        pt.add_row(str(p["peer_id"])[-10:], str(p["device"]), str(p["engine"]), _fmt(p["version"]),
+                   _fmt(p["tokens_per_s"], 0), _fmt(p.get("rollouts_per_s")), _fmt(p["leases"]), _fmt(p["leases_done"]),
+                   f"{_fmt(p['last_seen_s'], 1)} s", _fmt(p["price_per_hour"]), "yes" if p.get("alive") else "no")
+    console.print(pt)

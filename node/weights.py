@@ -1,0 +1,135 @@
+"""Weights over the network, learner → node directly: the learner's ``WeightStore`` serves
+signed manifests and chunks; ``fetch_weights`` is the node's whole fetch path (one function, so
+the broadcast relay can replace it).
+
+Serialisation, hashing and deserialisation run in worker threads, never on the trio loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from echorl.protocol import snapshot
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Chunk, ChunkRequest, Manifest, ManifestRequest, Message
+
+from . import protocols
+from .host import Host, RequestContext
+
+
+@dataclass
+class Published:
+    manifest: Manifest
+    published_at: float
+    build_seconds: float
+
+
+class WeightStore:
+    """The learner's last ``keep`` versions as manifests + content-addressed chunks."""
+
+    def __init__(self, identity: Identity, run_id: str, keep: int = 4) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.keep = max(1, keep)
+        self.versions: OrderedDict[int, Published] = OrderedDict()
+        self.chunks: dict[bytes, bytes] = {}
+        self._refs: dict[bytes, int] = {}
+        # (peer, version) -> [first request time, last chunk served time]
+        self.fetches: dict[tuple[str, int], list[float]] = {}
+
+    async def publish(self, version: int, state_dict: dict[str, Any]) -> Published:
+        t0 = time.perf_counter()
+        parent = next(reversed(self.versions)) if self.versions else -1
+
+        def build() -> tuple[Manifest, list[bytes]]:
+            data = snapshot.state_dict_to_safetensors(state_dict)
+            return snapshot.build_manifest(self.identity, self.run_id, version, parent, data, data)
+
+        manifest, chunks = await trio.to_thread.run_sync(build)
+        for ref, data in zip(manifest.chunks, chunks):
+            if ref.digest not in self.chunks:
+                self.chunks[ref.digest] = data
+            self._refs[ref.digest] = self._refs.get(ref.digest, 0) + 1
+        pub = Published(manifest, time.time(), time.perf_counter() - t0)
+        self.versions[version] = pub
+        while len(self.versions) > self.keep:
+            _, old = self.versions.popitem(last=False)
+            for ref in old.manifest.chunks:
+                self._refs[ref.digest] -= 1
+                if self._refs[ref.digest] <= 0:
+                    self._refs.pop(ref.digest)
+                    self.chunks.pop(ref.digest, None)
+        return pub
+
+    @property
+    def newest(self) -> int:
+        return next(reversed(self.versions)) if self.versions else -1
+
+    async def on_manifest(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, ManifestRequest)
+        if msg.run_id != self.run_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"run {msg.run_id!r} is not served here")
+        version = self.newest if msg.version == -1 else msg.version
+        pub = self.versions.get(version)
+        if pub is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"version {msg.version} not held")
+        self.fetches[(ctx.peer_id, version)] = [time.monotonic(), time.monotonic()]
+        if len(self.fetches) > 4096:
+            self.fetches.pop(next(iter(self.fetches)))
+        return pub.manifest
+
+    async def on_chunk(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, ChunkRequest)
+        data = self.chunks.get(msg.digest)
+        if data is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "chunk not held")
+        for (peer, _v), span in list(self.fetches.items())[-64:]:
+            if peer == ctx.peer_id:
+                span[1] = time.monotonic()
+        return Chunk(digest=msg.digest, data=data)
+
+    def fetch_seconds(self, version: int) -> list[float]:
+        """Per-peer serve time (manifest request → last chunk) of ``version``."""
+        return [b - a for (p, v), (a, b) in self.fetches.items() if v == version]
+
+    def install(self, host: Host) -> None:
+        host.route(protocols.MANIFEST, self.on_manifest, request=ManifestRequest,
+                   max_request_bytes=protocols.MAX_REQUEST_BYTES[protocols.MANIFEST],
+                   rate=protocols.RATES[protocols.MANIFEST])
+        host.route(protocols.CHUNK, self.on_chunk, request=ChunkRequest,
+                   max_request_bytes=protocols.MAX_REQUEST_BYTES[protocols.CHUNK],
+                   rate=protocols.RATES[protocols.CHUNK])
+
+
+async def fetch_weights(host: Host, learner_peer_id: str, run_id: str, have_version: int,
+                        timeout: float = 60.0) -> tuple[int, dict[str, Any], float] | None:
+    """Fetch the learner's newest version if newer than ``have_version``: the manifest is
+    verified against the pinned learner ID, every chunk against its digest, the file against
+    the manifest. Returns (version, state dict, seconds) or None if nothing newer."""
+    t0 = time.perf_counter()
+    with trio.fail_after(timeout):
+        manifest = await host.request(learner_peer_id, protocols.MANIFEST,
+                                      ManifestRequest(run_id=run_id, version=-1), expect=Manifest)
+        assert isinstance(manifest, Manifest)
+        if manifest.version <= have_version:
+            return None
+        await trio.to_thread.run_sync(snapshot.verify_manifest, manifest, learner_peer_id, run_id)
+        assembler = snapshot.ChunkAssembler(manifest)
+        for d in assembler.missing():
+            reply = await host.request(learner_peer_id, protocols.CHUNK, ChunkRequest(digest=d), expect=Chunk)
+            assert isinstance(reply, Chunk)
+            await trio.to_thread.run_sync(assembler.add, reply.digest, reply.data)
+
+        def rebuild() -> dict[str, Any]:
+            payload = assembler.payload()
+            snapshot.verify_result(manifest, payload)
+            return snapshot.safetensors_to_state_dict(payload)
+
+        state = await trio.to_thread.run_sync(rebuild)
+    return manifest.version, state, time.perf_counter() - t0

@@ -1,0 +1,85 @@
+"""Test helper: start a learner and node daemons as real OS processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def echorl(*args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "echorl.cli", *args], env=ENV, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class Swarm:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        self.addr = ""
+
+    def start_learner(self, *args: str, timeout: float = 120.0) -> str:
+        addr_file = self.tmp / "addr"
+        self.learner = echorl("learner", "--addr-file", str(addr_file), "--metrics-out",
+                              str(self.tmp / "m.jsonl"), *args, log=self.tmp / "learner.log")
+        self.procs.append(self.learner)
+        deadline = time.monotonic() + timeout
+        while not addr_file.exists():
+            if self.learner.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("learner did not start:\n" + (self.tmp / "learner.log").read_text()[-3000:])
+            time.sleep(0.1)
+        self.addr = addr_file.read_text().strip()
+        return self.addr
+
+    def start_node(self, name: str, *args: str) -> subprocess.Popen:
+        p = echorl("node", "--bootstrap", self.addr, "--key", str(self.tmp / f"{name}.key"), *args,
+                   log=self.tmp / f"{name}.log")
+        self.procs.append(p)
+        return p
+
+    def metrics(self) -> list[dict]:
+        path = self.tmp / "m.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def status(self) -> dict:
+        out = subprocess.run([sys.executable, "-m", "echorl.cli", "status", "--bootstrap", self.addr, "--json"],
+                             env=ENV, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+        return json.loads(out.stdout)
+
+    def wait_for(self, pred, timeout: float = 120.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = pred()
+            if value:
+                return value
+            if self.learner.poll() is not None:
+                raise RuntimeError("learner exited:\n" + (self.tmp / "learner.log").read_text()[-3000:])
+            time.sleep(0.2)
+        raise TimeoutError(f"timed out waiting for {what}:\n" + (self.tmp / "learner.log").read_text()[-3000:])
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_trio(fn, *args):
+    return trio.run(fn, *args)

@@ -1,0 +1,40 @@
+"""The console entry: help for every role, keygen, clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from echorl.cli import COMMANDS
+
+
+def echorl(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "echorl.cli", *args], capture_output=True, text=True, check=check)
+
+
+def test_top_level_help_lists_every_role():
+    out = echorl("--help").stdout
+    for name in COMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_subcommand_has_help(name):
+    result = echorl(name, "--help", check=False)
+    assert result.returncode == 0, result.stderr
+    assert "usage: echorl " + name in result.stdout
+
+
+def test_unknown_subcommand_is_an_error():
+    result = echorl("teleport", check=False)
+    assert result.returncode != 0 and "invalid choice" in result.stderr
+
+
+def test_keygen_creates_then_reuses_key(tmp_path):
+    key = tmp_path / "k"
+    first = json.loads(echorl("keygen", "--key", str(key), "--json").stdout)
+    second = json.loads(echorl("keygen", "--key", str(key), "--show", "--json").stdout)
+    assert first["peer_id"] == second["peer_id"] and first["peer_id"].startswith("12D3KooW")
+    assert (key.stat().st_mode & 0o777) == 0o600
+    assert echorl("keygen", "--key", str(tmp_path / "missing"), "--show", check=False).returncode == 1

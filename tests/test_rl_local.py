@@ -1,0 +1,63 @@
+"""``echorl train-local``: argument errors are clear; a short real run with actor processes
+writes the metrics contract and resumes from its checkpoint without repeating versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _cli(*args, timeout=180):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "echorl.cli", "train-local", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--task", "additon"], "unknown task 'additon'"),
+        (["--task", "addition", "--task-option", "digitz=3"], "unknown option(s) ['digitz']"),
+        (["--model", "/nonexistent/dir"], "not a HF model directory"),
+        (["--staleness", "-1"], "--staleness >= 0"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+    ],
+)
+def test_bad_config_gives_clear_error(args, fragment):
+    r = _cli(*args, timeout=60)
+    assert r.returncode == 2 and fragment in r.stderr, r.stderr
+
+
+KEYS = {"step", "version", "reward_mean", "eval_reward", "rollouts_accepted", "rollouts_rejected_stale",
+        "staleness_max", "staleness_mean", "learner_busy_frac", "seconds"}
+
+
+def test_short_run_metrics_and_resume(tmp_path):
+    from echorl.actor.model import build_default_model
+
+    model = build_default_model(tmp_path / "tiny", seed=0, warmup=None)
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    common = ["--model", str(model), "--staleness", "2", "--actors", "2", "--prompts-per-step", "4",
+              "--group-size", "4", "--lease-prompts", "2", "--eval-every", "2", "--quiet", "--actor-delay", "0.05",
+              "--metrics-out", str(metrics), "--checkpoint-dir", str(ck), "--task-option", "n_eval=16"]
+    r = _cli("--steps", "3", *common)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(KEYS <= set(row) for row in rows)
+    assert rows[0]["eval_reward"] is not None and rows[-1]["eval_reward"] is not None
+    assert rows[-1]["rollouts_accepted"] == 12
+    assert all(0 <= row["staleness_max"] <= 2 for row in rows)
+    assert "summary" in r.stderr
+    r = _cli("--steps", "5", "--resume", *common)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    state = json.loads((ck / (ck / "LATEST").read_text() / "state.json").read_text())
+    assert state["version"] == 5
