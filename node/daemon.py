@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--price-per-hour", dest="price_per_hour", type=float, default=0.0)
     p.add_argument("--run-id", dest="run_id", default="echorl-demo")
+    p.add_argument("--learner-id", dest="learner_id", default=None,
+                   help="pin the learner's peer ID (default: the bootstrap peer is the learner); "
+                        "only manifests signed by this peer are accepted")
     p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
@@ -163,7 +166,8 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, backen
     from .host import RemoteError
     from .membership import find_learner
 
-    state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None))
+    state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None),
+                                       pinned=getattr(args, "learner_id", None))
     join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=state.version,
                                  timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
     accepted = await host.request(state.learner, protocols.JOIN, join, expect=JoinAccepted)

@@ -100,19 +100,26 @@ class Membership:
         return list(out)
 
 
-async def find_learner(host: Host, bootstrap: str, run_id: str, membership: Membership | None = None) -> str:
-    """The learner's peer id for ``run_id``: from the DHT's signed learner record when a
-    membership is given, else the bootstrap peer itself. Raises PeerUnavailable."""
+async def find_learner(
+    host: Host, bootstrap: str, run_id: str, membership: Membership | None = None, pinned: str | None = None
+) -> str:
+    """The learner's peer id for ``run_id``. The learner is pinned (it signs every manifest):
+    ``pinned`` if given, else the bootstrap peer. The DHT's signed learner record is used only
+    to find a pinned learner's addresses; a record naming any other peer is ignored, so a peer
+    that publishes a record for itself cannot take over the run. Raises PeerUnavailable."""
     boot = await host.connect(bootstrap)
+    expected = pinned or boot
     if membership is not None:
         await membership.add_bootstrap(boot)
         rec = await membership.find_learner_record()
-        if rec is not None and rec.run_id == run_id:
-            if rec.learner_peer_id != boot:
-                host.add_peer_addrs(rec.learner_peer_id, list(rec.addrs))
-                await host.connect(rec.addrs[0] if "/p2p/" in rec.addrs[0] else f"{rec.addrs[0]}/p2p/{rec.learner_peer_id}")
-            return rec.learner_peer_id
-    return boot
+        if rec is not None and rec.run_id == run_id and rec.learner_peer_id == expected != boot:
+            host.add_peer_addrs(expected, list(rec.addrs))
+            await host.connect(rec.addrs[0] if "/p2p/" in rec.addrs[0] else f"{rec.addrs[0]}/p2p/{expected}")
+        elif rec is not None and rec.learner_peer_id != expected:
+            log.warning("ignoring a learner record for %s: pinned learner is %s", rec.learner_peer_id[:16], expected[:16])
+    if expected != boot and not host.is_connected(expected):
+        raise PeerUnavailable(f"pinned learner {expected[:16]}… not found through {bootstrap}")
+    return expected
 
 
 __all__ = ["Membership", "find_learner", "learner_key", "provider_key", "JoinAccepted", "PeerUnavailable"]
