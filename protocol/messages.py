@@ -314,11 +314,22 @@ class CatchUp(Message):
     manifests: Annotated[list[Manifest], Field(max_length=256)]
 
 
+class StreamTicket(Message):
+    """Parent → child, reply to ``Subscribe`` on the ticket protocol: open a direct TCP
+    connection to ``port`` (on the parent's libp2p IP), send ``ticket``, then read ``Chunk``
+    frames. The ticket is single-use and bound to (child, version, stripe) by the parent; chunk
+    integrity comes from the signed manifest, so the direct path needs no encryption for it."""
+
+    type: Literal["stream_ticket"] = "stream_ticket"
+    ticket: Nonce
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseReturn, Submit, SubmitAccepted,
         Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
-        PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp,
+        PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
     )
 }

@@ -14,6 +14,11 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
     )
     sample = m.Sample(token_ids=[5, 6, 7], logprobs=[-0.1, -2.0, 0.0], finish_reason="eos", reward_hint=1.0)
     digest = bytes(range(32))
+    manifest = sign(m.Manifest(run_id="run-1", learner_peer_id=learner.peer_id, version=5, parent_version=4,
+                               kind="full", base_version=-1, chunk_bytes=4, payload_bytes=4,
+                               chunks=[m.ChunkRef(digest=digest, size=4)],
+                               tensors=[m.TensorEntry(name="w", dtype="F32", shape=[1], digest=digest)],
+                               result_bytes=4, result_digest=digest, created_at=time.time()), learner)
     return [
         sign(m.JoinRequest(run_id="run-1", peer_id=node.peer_id, capability=cap, version=3,
                            timestamp=time.time(), nonce=b"n" * 16), node),
@@ -27,11 +32,7 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
                       groups=[m.RolloutGroup(prompt_id="p1", samples=[sample, sample])],
                       generate_seconds=0.5, nonce=b"k" * 16), node),
         m.SubmitAccepted(lease_id="L-1", accepted=1, version=5),
-        sign(m.Manifest(run_id="run-1", learner_peer_id=learner.peer_id, version=5, parent_version=4,
-                        kind="full", base_version=-1, chunk_bytes=4, payload_bytes=4,
-                        chunks=[m.ChunkRef(digest=digest, size=4)],
-                        tensors=[m.TensorEntry(name="w", dtype="F32", shape=[1], digest=digest)],
-                        result_bytes=4, result_digest=digest, created_at=time.time()), learner),
+        manifest,
         m.ManifestRequest(run_id="run-1", version=-1),
         m.ChunkRequest(digest=digest),
         m.Chunk(digest=digest, data=b"abcd"),
@@ -40,4 +41,16 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
         m.Status(run_id="run-1", learner={"step": 3, "reward": 0.5, "ok": True, "note": None},
                  peers=[{"peer_id": node.peer_id, "tokens_per_s": 10.0}]),
         m.Error(code="schema", detail="missing field"),
+        sign(m.PlanAnnounce(run_id="run-1", learner_peer_id=learner.peer_id, version=5, manifest=manifest,
+                            shape="striped", fanout=4, seed=5, learner_addrs=["/ip4/127.0.0.1/tcp/4000"],
+                            members=[m.PlanMember(peer_id=node.peer_id, reachable=True,
+                                                  addrs=["/ip4/127.0.0.1/tcp/4001"])],
+                            created_at=time.time()), learner),
+        m.Subscribe(run_id="run-1", version=5, stripe=1),
+        m.BroadcastDone(run_id="run-1", version=5, ok=True, seconds=1.5, recovered_chunks=2,
+                        suspects=[learner.peer_id], detail="parent stalled"),
+        m.BroadcastAck(run_id="run-1", version=5, have_version=5),
+        m.CatchUpRequest(run_id="run-1", have_version=-1),
+        m.CatchUp(run_id="run-1", manifests=[manifest]),
+        m.StreamTicket(ticket=b"t" * 16, port=4002),
     ]

@@ -1,0 +1,169 @@
+"""Broadcast benchmark: N relay peers (separate processes) on loopback, every upload capped.
+
+    python bench/broadcast.py --peers 16 --size-mb 8 --upload-mbps 20 --json
+    python bench/broadcast.py --peers 32 --size-mb 8 --upload-mbps 20 --no-star --json
+
+Runs the pipelined plan (striped by default, ``--shape tree`` for one k-ary tree) twice, a first
+version that dials every edge (``tree_seconds_cold``) and a second over the same plan and
+connections (``tree_seconds``: the steady state of a run, where every version reuses them), and, unless
+``--no-star``, one-to-many from the learner, in the same run, each as a full snapshot of random
+bytes (no torch needed). Prints one JSON line: peers, bytes, chunk_bytes, depth, tree_seconds,
+star_seconds, lower_bound_seconds (= W/B: one upload of the snapshot at the capped rate), and
+CPU figures (cpu_s_per_gb_relayed: CPU of all processes during the tree phase / bytes received
+by all peers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echorl.node.broadcast import Broadcaster, NodeInfo  # noqa: E402
+from echorl.node.host import HostConfig, open_host  # noqa: E402
+from echorl.node.transport import UploadLimiter  # noqa: E402
+from echorl.protocol.identity import Identity  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def fake_safetensors(n_bytes: int, seed: int) -> bytes:
+    """A valid safetensors file with one U8 tensor of ``n_bytes`` random bytes."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [n_bytes], "data_offsets": [0, n_bytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    body = np.random.default_rng(seed).integers(0, 256, n_bytes, dtype=np.uint8).tobytes()
+    return len(header).to_bytes(8, "little") + header + body
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLK
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def spawn_peers(n: int, learner_addr: str, mbps: float, stall_s: float, extra: list[str] | None = None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = []
+    for _ in range(n):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "echorl.node.relay", "--learner", learner_addr, "--run-id", "bench",
+             "--upload-mbps", str(mbps), "--stall-s", str(stall_s), *(extra or [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True))
+    return procs
+
+
+def read_ready(proc: subprocess.Popen) -> dict:
+    for line in proc.stdout:  # type: ignore[union-attr]
+        obj = json.loads(line)
+        if obj.get("event") == "ready":
+            return obj
+    raise RuntimeError("relay peer exited before it was ready")
+
+
+async def run(args: argparse.Namespace) -> dict:
+    size = int(args.size_mb * 1024 * 1024)
+    chunk = int(args.chunk_kb * 1024)
+    rate = args.upload_mbps * 1e6 / 8
+    identity = Identity.generate()
+    out: dict = {}
+    async with open_host(identity, HostConfig()) as host:
+        bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=chunk, full_every=1,
+                         upload_limit=UploadLimiter.from_mbps(args.upload_mbps), shape=args.shape,
+                         done_timeout_s=args.timeout, direct=not args.no_direct)
+        bc.install()
+        nursery_cm = trio.open_nursery()
+        nursery = await nursery_cm.__aenter__()
+        await nursery.start(bc.run)
+        t = time.perf_counter()
+        procs = spawn_peers(args.peers, host.addrs[0], args.upload_mbps, args.stall_s,
+                            ["--no-direct"] if args.no_direct else [])
+        try:
+            readies = []
+            for p in procs:
+                readies.append(await trio.to_thread.run_sync(read_ready, p))
+            startup = time.perf_counter() - t
+            nodes = [NodeInfo(r["peer_id"], True, tuple(r["addrs"])) for r in readies]
+            pids = [p.pid for p in procs]
+            data = fake_safetensors(size, 1)
+            await trio.sleep(1.0)  # let start-up CPU settle
+            cold = await bc.publish(1, fake_safetensors(size, 3), nodes)  # first version: dials every edge
+            await trio.sleep(0.5)
+            cpu0, own0 = cpu_seconds(pids), time.process_time()
+            tree = await bc.publish(2, data, nodes)  # steady state: the same plan, connections reused
+            cpu_tree = cpu_seconds(pids) - cpu0 + time.process_time() - own0
+            out.update(
+                peers=args.peers, bytes=len(data), chunk_bytes=chunk, fanout=args.fanout, shape=args.shape,
+                depth=tree.depth, upload_mbps=args.upload_mbps, tree_seconds=round(tree.seconds, 3),
+                lower_bound_seconds=round(len(data) / rate, 3),
+                tree_over_lower_bound=round(tree.seconds / (len(data) / rate), 3),
+                tree_seconds_cold=round(cold.seconds, 3), cold_completed=len(cold.completed),
+                cold_missing=len(cold.missing), cold_suspects=len(cold.suspects),
+                cold_recovered_chunks=cold.recovered_chunks,
+                tree_completed=len(tree.completed), tree_missing=len(tree.missing),
+                tree_recovered_chunks=tree.recovered_chunks,
+                cpu_seconds_tree=round(cpu_tree, 2),
+                cpu_s_per_gb_relayed=round(cpu_tree / (len(data) * args.peers / 1e9), 2),
+                build_seconds=round(tree.build_seconds, 3), startup_seconds=round(startup, 1),
+                node_seconds_max=round(max(tree.node_seconds.values(), default=0.0), 3),
+            )
+            if not args.no_star:
+                star = await bc.publish(3, fake_safetensors(size, 2), nodes, shape="star")
+                out.update(star_seconds=round(star.seconds, 3), star_completed=len(star.completed),
+                           star_over_tree=round(star.seconds / tree.seconds, 2))
+            else:
+                out.update(star_seconds=None)
+        finally:
+            for p in procs:
+                try:
+                    p.stdin.close()  # type: ignore[union-attr]
+                except OSError:
+                    pass
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            nursery.cancel_scope.cancel()
+            await nursery_cm.__aexit__(None, None, None)
+    out["transport"] = "libp2p" if args.no_direct else "direct-tcp"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, default=16)
+    ap.add_argument("--size-mb", type=float, default=8.0)
+    ap.add_argument("--upload-mbps", type=float, default=20.0)
+    ap.add_argument("--fanout", type=int, default=4)
+    ap.add_argument("--chunk-kb", type=float, default=64.0)
+    ap.add_argument("--shape", choices=["striped", "tree"], default="striped")
+    ap.add_argument("--no-star", action="store_true")
+    ap.add_argument("--stall-s", type=float, default=30.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p (Noise+yamux) only")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out = trio.run(run, args)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>28}: {v}")
+
+
+if __name__ == "__main__":
+    main()
