@@ -20,10 +20,10 @@ from libp2p.peer.id import ID
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
+from echorl.protocol import wire
 from echorl.protocol.errors import ProtocolError
-from echorl.protocol.messages import JoinAccepted
+from echorl.protocol.messages import JoinAccepted, LearnerRecord
 
-from ._proto_ext import LearnerRecord, decode_record, encode_record
 from .host import Host, PeerUnavailable
 
 log = logging.getLogger("echorl.node.membership")
@@ -39,14 +39,14 @@ def provider_key(run_id: str) -> str:
 
 class _RecordValidator(Validator):
     def validate(self, key: str, value: bytes) -> None:
-        rec = decode_record(value)
+        rec = _decode_record(value)
         if key != learner_key(rec.run_id):
             raise ValueError("learner record stored under another run's key")
 
     def select(self, key: str, values: list[bytes]) -> int:
         def created(v: bytes) -> float:
             try:
-                return decode_record(v).created_at
+                return _decode_record(v).created_at
             except ProtocolError:
                 return -1.0
         return max(range(len(values)), key=lambda i: created(values[i]))
@@ -69,19 +69,18 @@ class Membership:
         await self.dht.add_peer(ID.from_base58(peer_id), skip_server_mode_check=True)
 
     async def publish_learner_record(self, addr: str, version: int = 0) -> None:
-        from echorl.protocol import wire
 
         rec = wire.sign(LearnerRecord(run_id=self.run_id, learner_peer_id=self.host.peer_id, addrs=[addr],
                                       version=version, created_at=time.time()), self.host.identity)
         with trio.move_on_after(10):
-            await self.dht.put_value(learner_key(self.run_id), encode_record(rec))
+            await self.dht.put_value(learner_key(self.run_id), wire.encode(rec))
 
     async def find_learner_record(self, timeout: float = 10.0) -> LearnerRecord | None:
         with trio.move_on_after(timeout):
             value = await self.dht.get_value(learner_key(self.run_id))
             if value is not None:
                 try:
-                    return decode_record(value)
+                    return _decode_record(value)
                 except ProtocolError as exc:
                     log.warning("bad learner record in the DHT: %s", exc)
         return None
@@ -123,3 +122,10 @@ async def find_learner(
 
 
 __all__ = ["Membership", "find_learner", "learner_key", "provider_key", "JoinAccepted", "PeerUnavailable"]
+
+
+def _decode_record(data: bytes) -> LearnerRecord:
+    """Strict decode + signature check (signed by the learner it names). Raises ProtocolError."""
+    rec = wire.decode(data, expect=LearnerRecord)
+    wire.verify(rec)
+    return rec

@@ -325,11 +325,26 @@ class StreamTicket(Message):
     port: Annotated[int, Field(ge=1, le=65535)]
 
 
+class LearnerRecord(Message):
+    """The run's learner as stored in the DHT under ``/echorl/learner/<run_id>``. Signed by the
+    learner it names; nodes use it only to find the addresses of the learner they pinned."""
+
+    SIGNED: ClassVar[bool] = True
+    type: Literal["learner_record"] = "learner_record"
+    run_id: RunId
+    learner_peer_id: PeerId
+    addrs: Annotated[list[Text], Field(min_length=1, max_length=16)]
+    version: Version
+    created_at: Finite
+    signature: Signature = b"\0" * 64
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseReturn, Submit, SubmitAccepted,
         Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
+        LearnerRecord,
     )
 }

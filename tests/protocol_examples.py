@@ -53,4 +53,6 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
         m.CatchUpRequest(run_id="run-1", have_version=-1),
         m.CatchUp(run_id="run-1", manifests=[manifest]),
         m.StreamTicket(ticket=b"t" * 16, port=4002),
+        sign(m.LearnerRecord(run_id="run-1", learner_peer_id=learner.peer_id, addrs=["/ip4/127.0.0.1/tcp/4001"],
+                             version=5, created_at=time.time()), learner),
     ]
