@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 class GRPOConfig:
     """Hyper-parameters of the GRPO learner."""
 
-    lr: float = 2e-4
+    lr: float = 5e-4
     """AdamW learning rate (0 leaves the weights untouched)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""

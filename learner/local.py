@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-step", type=int, default=16, help="accepted groups per optimizer step")
     p.add_argument("--lease-prompts", type=int, default=4, help="prompts per lease")
     p.add_argument("--max-inflight", type=int, default=None, help="prompts leased at once (default B if S=0 else 2B)")
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--loss-norm", choices=["token", "sequence"], default="token")

@@ -36,11 +36,11 @@ class LearnerConfig:
     group_size: int = 8
     prompts_per_step: int = 16
     prompts_per_lease: int = 8
-    lr: float = 2e-4
+    lr: float = 5e-4
     clip: float = 0.2
     temperature: float = 1.0
     eval_every: int = 10
-    eval_prompts: int = 256
+    eval_prompts: int = 1024
     lease_timeout_s: float = 30.0
     liveness_after_s: float = 3.0
     listen: str = "/ip4/127.0.0.1/tcp/0"

@@ -19,13 +19,13 @@ class AdditionTask(Task):
     """``a+b=`` with ``a, b`` uniform in ``[0, 10**digits)``.
 
     Options: ``digits`` (default 2), ``seed`` (training prompt order, default 0),
-    ``n_eval`` (held-out prompts, default 256).
+    ``n_eval`` (held-out prompts, default 1024: sampled accuracy on it has a standard error of ~0.015).
     """
 
     name = "addition"
     stop: list[str] = []
 
-    def __init__(self, digits: int = 2, seed: int = 0, n_eval: int = 256) -> None:
+    def __init__(self, digits: int = 2, seed: int = 0, n_eval: int = 1024) -> None:
         super().__init__()
         digits, n_eval = int(digits), int(n_eval)
         if not 1 <= digits <= 9:

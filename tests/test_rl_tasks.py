@@ -77,7 +77,7 @@ def test_addition_cursor_is_resumable_and_eval_is_held_out():
     assert [p.text for p in b.next_prompts(5)] == [p.text for p in first[10:]]
     assert len({p.prompt_id for p in first}) == 15 and a.cursor == 15
     ev = a.eval_prompts()
-    assert len(ev) == 256 and ev == a.eval_prompts()
+    assert len(ev) == 1024 and ev == a.eval_prompts()
     eval_texts = {p.text for p in ev}
     assert not eval_texts & {a.prompt_at(i).text for i in range(3000)}
     p = first[0]
