@@ -1,5 +1,8 @@
-"""``echorl node``: the volunteer node daemon: join with a signed capability record, fetch the
-current weights, then lease → generate (in a worker thread) → submit signed rollouts, forever.
+"""``echorl node``: the volunteer node daemon: join with a signed capability record, receive
+weights through the learner's broadcast (a relay that also forwards chunks to its plan children;
+``node/node_weights.py``), then lease → generate (in a worker thread) → submit signed rollouts,
+forever. A node refused for old weights waits for the broadcast in flight, then catches up from
+peers, then fetches directly from the learner.
 
 Reconnects with exponential backoff (plus jitter) when the learner is unreachable; on SIGTERM or
 SIGINT it returns the lease it holds (so its prompts are re-queued at once) and exits 0.
@@ -36,15 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
     p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8)
+    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
+                   help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
 
 
 @dataclass
 class NodeState:
     run_id: str
     learner: str = ""  # learner peer id (pinned: it signs the manifests)
-    version: int = -1
     leases_done: int = 0
     current_lease: str = ""
+    weights: Any = None  # NodeWeights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +94,9 @@ async def main(args: argparse.Namespace) -> None:
     from echorl.protocol.identity import load_or_create_identity
 
     from .host import HostConfig, open_host
+    from .membership import Membership
+    from .node_weights import NodeWeights
+    from .transport import UploadLimiter
 
     identity = load_or_create_identity(args.key)
     backend, tps = await trio.to_thread.run_sync(_load_backend, args)
@@ -96,19 +104,18 @@ async def main(args: argparse.Namespace) -> None:
     state = NodeState(run_id=args.run_id)
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
         cap = _capability(args, backend, tps, host.addrs)
+        state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps))
         async with trio.open_nursery() as nursery:
-            from .membership import Membership
-
             args._membership = Membership(host, args.run_id, server=True)
             await nursery.start(args._membership.run)
             stop = trio.Event()
             nursery.start_soon(_wait_signal, stop)
             with trio.CancelScope() as work:
                 nursery.start_soon(_cancel_when, stop, work)
-                await _work_forever(host, args, state, backend, cap)
+                await _work_forever(host, args, state, cap, nursery)
             await _return_lease(host, state)
             nursery.cancel_scope.cancel()
-    log.info("node stopped after %d leases", state.leases_done)
+    log.info("node stopped after %d leases (versions loaded: %s)", state.leases_done, state.weights.loads)
 
 
 async def _wait_signal(stop: trio.Event) -> None:
@@ -140,80 +147,96 @@ async def _return_lease(host: Any, state: NodeState) -> None:
         log.warning("could not return lease %s: %s", state.current_lease, exc)
 
 
-async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, backend: Any, cap: Any) -> None:
+async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, cap: Any,
+                        nursery: trio.Nursery) -> None:
     from .host import PeerUnavailable, RemoteError
 
     backoff = 0.5
     while True:
+        started = time.monotonic()
         try:
-            await _session(host, args, state, backend, cap)
+            await _session(host, args, state, cap, nursery)
         except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
+            if state.leases_done and time.monotonic() - started > 10.0:
+                backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
             log.warning("learner unreachable or refused (%s); retrying in %.1f s", exc, backoff)
         state.current_lease = ""
         await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
         backoff = min(backoff * 2, 15.0)
 
 
-async def _session(host: Any, args: argparse.Namespace, state: NodeState, backend: Any, cap: Any) -> None:
-    """Connect, join, then loop lease → generate → submit until an error ends the session."""
+async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: Any, nursery: trio.Nursery) -> None:
+    """Connect, join, get weights, then loop lease → generate → submit until an error ends the
+    session."""
     import secrets
 
     from echorl.protocol import wire
-    from echorl.protocol.errors import ErrorCode
-    from echorl.protocol.messages import JoinAccepted, JoinRequest, Lease, LeaseRequest
+    from echorl.protocol.messages import JoinAccepted, JoinRequest
 
     from . import protocols
-    from .host import RemoteError
     from .membership import find_learner
 
+    weights = state.weights
     state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None),
                                        pinned=getattr(args, "learner_id", None))
-    join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=state.version,
+    await weights.attach(state.learner, nursery)
+    join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=weights.version,
                                  timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
     accepted = await host.request(state.learner, protocols.JOIN, join, expect=JoinAccepted)
     assert isinstance(accepted, JoinAccepted)
     log.info("joined run %s at learner version %d (S=%d)", state.run_id, accepted.version, accepted.staleness_bound)
+    if weights.version > accepted.version:  # the learner resumed from an older checkpoint
+        weights.forget(state.learner)
     if getattr(args, "_membership", None) is not None:
         await args._membership.provide()
-    learner_version = accepted.version
+    await weights.ensure(0)
     idle = 0.05
     while True:
-        if learner_version > state.version:
-            await _update_weights(host, state, backend)
-        try:
-            lease = await host.request(state.learner, protocols.LEASE,
-                                       LeaseRequest(run_id=state.run_id, version=state.version,
-                                                    max_prompts=args.max_prompts), expect=Lease)
-        except RemoteError as exc:
-            if exc.code == ErrorCode.UNAVAILABLE:
-                if "weights too old" in exc.detail:
-                    learner_version = state.version + 1
-                else:
-                    await trio.sleep(idle)
-                    idle = min(idle * 1.5, 0.5)
-                continue
-            raise
+        lease, paced = await _request_lease(host, args, state)
+        if lease is None:
+            if paced:
+                await trio.sleep(idle)
+                idle = min(idle * 1.5, 0.5)
+            continue
         idle = 0.05
-        assert isinstance(lease, Lease)
         state.current_lease = lease.lease_id
-        reply = await _generate_and_submit(host, state, backend, lease)
+        await _generate_and_submit(host, state, lease)
         state.current_lease = ""
         state.leases_done += 1
-        learner_version = reply.version
 
 
-async def _update_weights(host: Any, state: NodeState, backend: Any) -> None:
-    from .weights import fetch_weights
+async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) -> Any:
+    """(lease, False), or (None, paced?): a refusal for old or unknown weights updates them
+    first and asks again at once; a paced one waits."""
+    from echorl.protocol.errors import ErrorCode
+    from echorl.protocol.messages import Lease, LeaseRequest
 
-    got = await fetch_weights(host, state.learner, state.run_id, state.version)
-    if got is not None:
-        version, sd, seconds = got
-        await trio.to_thread.run_sync(backend.load_state_dict, sd, version)
-        state.version = version
-        log.debug("weights v%d in %.3f s", version, seconds)
+    from . import protocols
+    from .host import RemoteError
+    from .node_weights import wanted_version
+
+    weights = state.weights
+    try:
+        lease = await host.request(state.learner, protocols.LEASE,
+                                   LeaseRequest(run_id=state.run_id, version=weights.version,
+                                                max_prompts=args.max_prompts), expect=Lease)
+    except RemoteError as exc:
+        if exc.code != ErrorCode.UNAVAILABLE:
+            raise
+        if "weights unknown" in exc.detail:  # ahead of the learner: it went back to a checkpoint
+            weights.forget(state.learner)
+            await weights.ensure(0)
+            return None, False
+        if "weights too old" in exc.detail:
+            before = weights.version
+            await weights.ensure(wanted_version(exc.detail) or weights.version + 1)
+            return None, weights.version == before  # nothing newer anywhere yet: wait a little
+        return None, True
+    assert isinstance(lease, Lease)
+    return lease, False
 
 
-async def _generate_and_submit(host: Any, state: NodeState, backend: Any, lease: Any) -> Any:
+async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     import secrets
 
     from echorl.actor.types import SamplingParams
@@ -224,9 +247,8 @@ async def _generate_and_submit(host: Any, state: NodeState, backend: Any, lease:
 
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))
-    version = state.version
     t0 = time.perf_counter()
-    groups = await trio.to_thread.run_sync(backend.generate, [p.text for p in lease.prompts], lease.group_size, params)
+    version, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
     seconds = time.perf_counter() - t0
     wire_groups = [
         RolloutGroup(prompt_id=p.prompt_id, samples=[

@@ -1,6 +1,8 @@
 """``echorl demo``: a learner and N node daemons as separate OS processes on 127.0.0.1, with the
-default tiny model and the addition task; live progress, a clean stop (also on Ctrl-C) and a
-summary. The supervisor only starts, watches and stops processes; all work is in the children."""
+default tiny model and the addition task; every published version reaches the nodes through the
+pipelined broadcast (deltas, a full snapshot every ``--full-every`` publications); live progress,
+a clean stop (also on Ctrl-C) and a summary. The supervisor only starts, watches and stops
+processes; all work is in the children."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="keys, logs and the address file (default: a temp dir)")
+    p.add_argument("--publish-every", dest="publish_every", type=int, default=0,
+                   help="publication period κ (default max(1, S-1))")
+    p.add_argument("--full-every", dest="full_every", type=int, default=10,
+                   help="full snapshot every K publications, deltas between (default 10)")
+    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
+                   help="upload cap of every process in Mbit/s (default: none)")
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -72,9 +80,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     procs: list[subprocess.Popen] = []
     try:
+        cap = ["--upload-mbps", str(args.upload_mbps)] if args.upload_mbps else []
         learner = _spawn(["learner", "--steps", str(args.steps), "--staleness", str(args.staleness), "--seed",
                           str(args.seed), "--model", str(model_dir), "--metrics-out", str(metrics),
-                          "--addr-file", str(addr_file)], work / "learner.log")
+                          "--addr-file", str(addr_file), "--full-every", str(args.full_every),
+                          *(["--publish-every", str(args.publish_every)] if args.publish_every else []), *cap],
+                         work / "learner.log")
         procs.append(learner)
         while not addr_file.exists():
             if learner.poll() is not None:
@@ -85,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"learner: {addr}\n  status: echorl status --bootstrap {addr}", flush=True)
         for i in range(args.nodes):
             procs.append(_spawn(["node", "--bootstrap", addr, "--key", str(work / f"node{i}.key"), "--seed",
-                                 str(args.seed), "--model", str(model_dir)], work / f"node{i}.log"))
+                                 str(args.seed), "--model", str(model_dir), *cap], work / f"node{i}.log"))
         last_step = -1
         while learner.poll() is None:
             time.sleep(1.0)
@@ -123,4 +134,22 @@ def _summary(metrics: Path, rc: int | None, seconds: float, args: argparse.Names
           f"signatures verified {last['signatures_verified']}; leases expired {last['leases_expired']}; "
           f"required vs available rollouts/s {last['required_rollouts_per_s'] and round(last['required_rollouts_per_s'], 1)}"
           f" vs {round(last['available_rollouts_per_s'], 1)}; metrics in {metrics}", flush=True)
+    print(f"broadcasts: {_broadcast_summary(steps)}", flush=True)
     return 0 if rc == 0 and last["step"] >= args.steps else 1
+
+
+def _broadcast_summary(rows: list[dict[str, Any]]) -> str:
+    """Per kind: count, median and max seconds, mean payload bytes (one entry per version seen)."""
+    seen: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("broadcast_version") is not None:
+            seen[r["broadcast_version"]] = r
+    parts = []
+    for kind in ("full", "delta"):
+        rs = [r for r in seen.values() if r.get("broadcast_kind") == kind]
+        if rs:
+            secs = sorted(r["broadcast_seconds"] for r in rs)
+            size = sum(r.get("broadcast_bytes", 0) for r in rs) / len(rs)
+            parts.append(f"{kind} x{len(rs)} median {secs[len(secs) // 2]:.3f} s max {secs[-1]:.3f} s "
+                         f"{size / 1e6:.2f} MB")
+    return "; ".join(parts) or "none recorded"

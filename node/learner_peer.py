@@ -2,9 +2,19 @@
 
 It listens on libp2p, prints its bootstrap multiaddr (and writes it to ``--addr-file``), runs the
 Kademlia server (first bootstrap peer, signed learner record), serves join/lease/submit/return/
-status and the weights (manifest + chunks), and trains one step each time ``prompts_per_step``
-fresh groups are buffered. Each step's metrics go to ``--metrics-out`` (JSON lines), including
-the provisioning rule of DESIGN §7: required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
+status, and trains one step each time ``prompts_per_step`` fresh groups are buffered. Every κ-th
+version (``publish_every``) goes out through the pipelined broadcast (``node/broadcast.py``:
+deltas, a full snapshot every ``full_every`` publications) from a publication task that runs
+beside training; the same bytes stay available to the direct fetch (``node/weights.py``) as
+the nodes' fallback. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
+newest completed broadcast and the provisioning rule of DESIGN §7:
+required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
+
+With ``--checkpoint-dir`` the learner checkpoints atomically every ``--checkpoint-every`` steps,
+at the end and on SIGTERM (model, optimizer, version, RNG, task cursor, every prompt not yet
+trained); ``--resume`` continues from the newest checkpoint with the same run id, key
+(``DIR/learner.key`` unless ``--key``) and version numbers; its first publication is a full
+snapshot. Restart it on the same ``--listen`` address so running nodes find it again.
 """
 
 from __future__ import annotations
@@ -48,6 +58,15 @@ class LearnerConfig:
     addr_file: str = ""
     metrics_out: str = ""
     dht: bool = True
+    publish_every: int = 0  # κ; 0: max(1, S−1) (DESIGN §7)
+    full_every: int = 10  # a full snapshot every this many publications, deltas between
+    fanout: int = 4
+    chunk_kib: int = 256
+    upload_mbps: float = 0.0  # this process's upload cap (broadcast + fallback fetch); 0: none
+    broadcast_timeout_s: float = 120.0
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0  # steps; 0: only at the end and on SIGTERM
+    resume: bool = False
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> "LearnerConfig":
@@ -73,13 +92,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-timeout", dest="lease_timeout_s", type=float)
     p.add_argument("--eval-every", dest="eval_every", type=int)
     p.add_argument("--no-dht", dest="dht", action="store_false", default=None)
+    p.add_argument("--run-id", dest="run_id")
+    p.add_argument("--publish-every", dest="publish_every", type=int, help="publication period κ (default max(1, S-1))")
+    p.add_argument("--full-every", dest="full_every", type=int, help="full snapshot every K publications (default 10)")
+    p.add_argument("--fanout", type=int, help="broadcast fanout / stripes (default 4)")
+    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, help="upload cap in Mbit/s (default: none)")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="where to write checkpoints")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int,
+                   help="checkpoint period in steps (0: only at the end and on SIGTERM)")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
     keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model",
-            "lease_timeout_s", "eval_every", "dht")
+            "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
+            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume")
     cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
+    if cfg.resume and not cfg.checkpoint_dir:
+        print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
+        return 2
     try:
         trio.run(serve, cfg)
     except KeyboardInterrupt:
@@ -92,47 +124,114 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     from .learner_train import Trainer
     from .host import HostConfig, open_host
     from .learner_service import LearnerService, LeasePolicy
-    from .membership import Membership
+    from .transport import UploadLimiter
     from .weights import WeightStore
-    from echorl.protocol.identity import Identity, load_or_create_identity
 
-    identity = load_or_create_identity(cfg.key) if cfg.key else Identity.generate()
+    identity = _identity(cfg)
     trainer = await trio.to_thread.run_sync(Trainer.build, cfg)
+    if cfg.resume:
+        await _resume(cfg, trainer)
+    trainer.open_metrics()
     policy = LeasePolicy(staleness=cfg.staleness, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
                          prompts_per_lease=cfg.prompts_per_lease, lease_timeout_s=cfg.lease_timeout_s,
                          liveness_after_s=cfg.liveness_after_s, sampling=trainer.sampling_spec())
     service = LearnerService(identity, cfg.run_id, trainer.task, trainer.tokenizer, trainer.buffer, policy,
                              trainer.vocab_size)
-    store = WeightStore(identity, cfg.run_id, keep=cfg.staleness + 2)
-    async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
-        service.install(host)
-        store.install(host)
-        await store.publish(0, await trio.to_thread.run_sync(trainer.grpo.state_dict))
-        addr = host.addrs[0]
-        async with trio.open_nursery() as nursery:
-            membership = Membership(host, cfg.run_id, server=True)
-            if cfg.dht:
-                await nursery.start(membership.run)
-                await membership.publish_learner_record(addr)
-            print(f"learner bootstrap: {addr}", flush=True)
-            if cfg.addr_file:
-                tmp = Path(cfg.addr_file + ".tmp")
-                tmp.write_text(addr + "\n")
-                tmp.replace(cfg.addr_file)
-            task_status.started(addr)
-            nursery.start_soon(service.maintain)
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-            await trainer.loop(service, store, membership if cfg.dht else None)
-            nursery.cancel_scope.cancel()
-    trainer.close()
+    service.version = service.published = trainer.grpo.version
+    limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
+    store = WeightStore(identity, cfg.run_id, keep=2, upload_limit=limiter)
+    try:
+        async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+            service.install(host)
+            store.install(host)
+            async with trio.open_nursery() as nursery:
+                publisher = await _start_publishing(cfg, host, identity, trainer, service, store, limiter, nursery)
+                membership = await _announce(cfg, host, nursery, task_status)
+                nursery.start_soon(service.maintain)
+                nursery.start_soon(_stop_on_signal, trainer, service, nursery.cancel_scope)
+                await trainer.loop(service, publisher, membership)
+                if not trainer.stopping:  # the final version reaches the nodes
+                    await publisher.drain(cfg.broadcast_timeout_s)
+                if cfg.checkpoint_dir:
+                    await trainer.checkpoint()
+                nursery.cancel_scope.cancel()
+    finally:
+        trainer.close()
 
 
-async def _stop_on_signal(scope: trio.CancelScope) -> None:
+def _identity(cfg: LearnerConfig) -> Any:
+    """The learner's key: ``--key``, else ``DIR/learner.key`` with a checkpoint dir (a resumed
+    learner keeps its peer ID, which nodes pin), else a fresh one."""
+    from echorl.protocol.identity import Identity, load_or_create_identity
+
+    if cfg.key:
+        return load_or_create_identity(cfg.key)
+    if cfg.checkpoint_dir:
+        Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        return load_or_create_identity(str(Path(cfg.checkpoint_dir) / "learner.key"))
+    return Identity.generate()
+
+
+async def _resume(cfg: LearnerConfig, trainer: Any) -> None:
+    if not await trio.to_thread.run_sync(trainer.resume):
+        log.info("no checkpoint in %s: starting a new run", cfg.checkpoint_dir)
+        return
+    run_id = trainer.resume_extra.get("run_id") or cfg.run_id
+    if run_id != cfg.run_id:
+        log.warning("run id %r from the checkpoint replaces %r", run_id, cfg.run_id)
+        cfg.run_id = run_id
+    log.info("resumed run %s at version %d (%d prompts pending)", cfg.run_id, trainer.grpo.version,
+             len(trainer.buffer.pending_prompts()))
+
+
+async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, trainer: Any, service: Any, store: Any,
+                            limiter: Any, nursery: trio.Nursery) -> Any:
+    """Broadcaster + publication task; the current version (0, or the resumed one) is
+    published as a full snapshot before any node can join."""
+    from .broadcast import Broadcaster
+    from .learner_publish import Publisher
+
+    bc = Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
+                     full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
+                     done_timeout_s=cfg.broadcast_timeout_s)
+    bc.install()
+    await nursery.start(bc.run)
+    publisher = Publisher(bc, store, service, timeout_s=cfg.broadcast_timeout_s, on_record=trainer.on_broadcast)
+    await publisher.publish(trainer.grpo.version, await trio.to_thread.run_sync(trainer.grpo.state_dict))
+    await nursery.start(publisher.run)
+    return publisher
+
+
+async def _announce(cfg: LearnerConfig, host: Any, nursery: trio.Nursery, task_status: Any) -> Any:
+    """DHT server + signed learner record; print and write the bootstrap address."""
+    from .membership import Membership
+
+    addr = host.addrs[0]
+    membership = Membership(host, cfg.run_id, server=True)
+    if cfg.dht:
+        await nursery.start(membership.run)
+        await membership.publish_learner_record(addr)
+    print(f"learner bootstrap: {addr}", flush=True)
+    if cfg.addr_file:
+        tmp = Path(cfg.addr_file + ".tmp")
+        tmp.write_text(addr + "\n")
+        tmp.replace(cfg.addr_file)
+    task_status.started(addr)
+    return membership if cfg.dht else None
+
+
+async def _stop_on_signal(trainer: Any, service: Any, scope: trio.CancelScope) -> None:
+    """First SIGTERM/SIGINT: finish the current step, checkpoint (with a checkpoint dir), exit;
+    a second one cancels at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for sig in signals:
-            log.info("signal %s: stopping", signal.Signals(sig).name)
-            scope.cancel()
-            return
+            if trainer.stopping:
+                scope.cancel()
+                return
+            log.info("signal %s: stopping after the current step", signal.Signals(sig).name)
+            trainer.stopping = True
+            service.stopping = True
+            service.accepted.set()
 
 
 def config_dict(cfg: LearnerConfig) -> dict[str, Any]:

@@ -50,13 +50,27 @@ class LeasePolicy:
 
     @property
     def version_lag(self) -> int:
-        """How old a node's weights may be when it is given a lease."""
+        """Safety margin in steps (S ≥ 2): results may arrive one step later than in-order
+        accounting says (a fresher node's lease can overtake), so plan for one step less."""
         return 0 if self.staleness <= 1 else 1
 
     @property
     def in_flight_cap(self) -> int:
         """Buffered + leased prompts allowed, so results stay within the staleness bound."""
         return self.prompts_per_step * max(1, self.staleness - self.version_lag)
+
+    def min_version(self, learner_version: int) -> int:
+        """Oldest node version that is still leased work (t − S + margin): with a publication
+        period κ ≤ S − margin the last published version always qualifies."""
+        return max(0, learner_version - self.staleness + self.version_lag)
+
+    def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
+        """Prompts a node at version b may be leased now. Groups are trained in arrival order,
+        B per step, so a prompt with X prompts in flight before it (itself included) is trained
+        at version t + ⌈X/B⌉ − 1; its staleness stays ≤ S iff X ≤ B·(S + 1 − (t − b)); the
+        margin takes one step off, and ``in_flight_cap`` bounds X for fresh nodes."""
+        steps_left = self.staleness + 1 - self.version_lag - (learner_version - node_version)
+        return min(self.in_flight_cap, self.prompts_per_step * steps_left) - in_flight
 
 
 @dataclass
@@ -90,7 +104,9 @@ class LearnerService:
         self.vocab_size = vocab_size
         self.book = LeaseBook()
         self.peers: dict[str, PeerRecord] = {}
-        self.version = 0
+        self.version = 0  # the trainer's newest version t
+        self.published = 0  # newest version handed to the broadcast (and the fetch fallback)
+        self.stopping = False  # no new leases (the learner is checkpointing and exiting)
         self.accepted = trio.Event()
         self.counters: dict[str, int] = {
             "signatures_verified": 0, "rollouts_rejected_invalid": 0, "submissions_rejected_replay": 0,
@@ -140,7 +156,7 @@ class LearnerService:
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
         log.info("joined: %s (%s, %.0f tok/s)", ctx.peer_id[:16], msg.capability.device, msg.capability.tokens_per_s)
-        return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.version,
+        return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
 
     async def on_lease(self, msg: Message, ctx: RequestContext) -> Message:
@@ -148,10 +164,14 @@ class LearnerService:
         peer = self._peer(ctx)
         peer.version = msg.version
         pol = self.policy
-        min_version = max(0, self.version - pol.version_lag)
+        if self.stopping:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, "paced: the learner is stopping")
+        min_version = pol.min_version(self.version)
         if msg.version < min_version:
             raise ProtocolError(ErrorCode.UNAVAILABLE, f"weights too old: fetch version >= {min_version}")
-        room = pol.in_flight_cap - len(self.buffer) - self.book.outstanding_prompts()
+        if msg.version > self.published:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, f"weights unknown: fetch version {self.published}")
+        room = pol.room(self.version, msg.version, len(self.buffer) + self.book.outstanding_prompts())
         n = min(msg.max_prompts, pol.prompts_per_lease, room)
         if n <= 0:
             raise ProtocolError(ErrorCode.UNAVAILABLE, "paced: enough rollouts in flight")
@@ -259,6 +279,13 @@ class LearnerService:
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive})
         return Status(run_id=self.run_id, learner=learner, peers=peers)
+
+    def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
+        """The joined nodes a version is broadcast to: alive and heard from recently."""
+        from .broadcast import NodeInfo
+
+        return [NodeInfo(p.peer_id, bool(p.capability.reachable), tuple(p.capability.listen_addrs))
+                for p in self.active_peers(window_s)]
 
     # --- maintenance --------------------------------------------------------------------------
     def active_peers(self, window_s: float = 30.0) -> list[PeerRecord]:

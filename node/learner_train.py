@@ -1,5 +1,6 @@
-"""The learner's training loop over network rollouts: GRPO steps, evaluation, publication,
-metrics, and the provisioning rule of DESIGN §7. Compute runs in worker threads only."""
+"""The learner's training loop over network rollouts: GRPO steps, evaluation, offering versions
+to the publication task every κ steps (it never waits for a broadcast), checkpoints, metrics, and
+the provisioning rule of DESIGN §7. Compute runs in worker threads only."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from echorl.protocol.messages import SamplingSpec
 
 if TYPE_CHECKING:
     from .learner_peer import LearnerConfig
+    from .learner_publish import BroadcastRecord, Publisher
     from .learner_service import LearnerService
     from .membership import Membership
-    from .weights import WeightStore
+
+TRAINED_IDS_KEPT = 200_000  # prompt ids remembered across a resume (for prompts_trained_twice)
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -45,10 +48,20 @@ class Trainer:
     train_seconds_total: float = 0.0
     t_train_ema: float = 0.0
     t_bcast_ema: float = 0.0
-    trained_prompt_ids: set[str] = field(default_factory=set)
+    trained_prompt_ids: dict[str, None] = field(default_factory=dict)  # insertion-ordered
     prompts_trained_twice: int = 0
     last_eval: float | None = None
     first_eval: float | None = None
+    resumed_from: int | None = None
+    resume_extra: dict[str, Any] = field(default_factory=dict)
+    stopping: bool = False  # set on SIGTERM: the loop ends at the next step boundary
+
+    @property
+    def kappa(self) -> int:
+        """Publication period κ: ``publish_every`` or max(1, S−1), at most max(1, S) so a
+        published version is always recent enough to be leased work."""
+        cfg = self.cfg
+        return max(1, min(cfg.publish_every or max(1, cfg.staleness - 1), max(1, cfg.staleness)))
 
     @classmethod
     def build(cls, cfg: "LearnerConfig") -> "Trainer":
@@ -68,8 +81,48 @@ class Trainer:
         grpo = GRPOTrainer(backend.model, gcfg)
         buffer = StalenessBuffer(cfg.staleness, scorer=task.reward)
         vocab = int(backend.model.config.vocab_size)
-        out = open(cfg.metrics_out, "w") if cfg.metrics_out else None  # noqa: SIM115 - closed in close()
-        return cls(cfg, task, backend.tokenizer, grpo, buffer, backend, vocab, out)
+        return cls(cfg, task, backend.tokenizer, grpo, buffer, backend, vocab)
+
+    def open_metrics(self) -> None:
+        if self.cfg.metrics_out:
+            mode = "a" if self.resumed_from is not None else "w"
+            self.metrics_file = open(self.cfg.metrics_out, mode)  # noqa: SIM115 - closed in close()
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def resume(self) -> bool:
+        """Load the newest checkpoint of ``cfg.checkpoint_dir`` (model, optimizer, version, RNG,
+        task cursor, pending prompts); False if there is none. Runs in a worker thread."""
+        from echorl.learner.checkpoint import has_checkpoint, load_checkpoint, restore_trainer
+
+        if not self.cfg.checkpoint_dir or not has_checkpoint(self.cfg.checkpoint_dir):
+            return False
+        ck = load_checkpoint(self.cfg.checkpoint_dir)
+        restore_trainer(self.grpo, ck)
+        self.task.seek(ck.cursor)
+        self.buffer.requeue(ck.pending)
+        self.trained_prompt_ids = dict.fromkeys(ck.extra.get("trained_prompt_ids", []))
+        self.step = self.grpo.version
+        self.resumed_from = self.grpo.version
+        self.resume_extra = dict(ck.extra)
+        return True
+
+    def save(self, cursor: int, pending: list[Any], trained: list[str]) -> str:
+        """Atomic checkpoint at the current version; ``cursor`` and ``pending`` (every prompt
+        not trained yet: buffered, re-queued and leased) taken at one instant on the loop.
+        Runs in a worker thread, between steps."""
+        from echorl.learner.checkpoint import save_checkpoint
+
+        extra = {"run_id": self.cfg.run_id, "task": self.cfg.task, "seed": self.cfg.seed,
+                 "trained_prompt_ids": trained}
+        return str(save_checkpoint(self.cfg.checkpoint_dir, self.grpo, cursor, pending, extra=extra))
+
+    async def checkpoint(self) -> None:
+        t0 = time.perf_counter()
+        pending = self.buffer.pending_prompts()  # leases issued while saving are after the cursor
+        trained = list(self.trained_prompt_ids)[-TRAINED_IDS_KEPT:]
+        path = await trio.to_thread.run_sync(self.save, self.task.cursor, pending, trained)
+        log.info("checkpoint v%d (%d prompts pending) in %.2f s: %s", self.grpo.version, len(pending),
+                 time.perf_counter() - t0, path)
 
     def sampling_spec(self) -> SamplingSpec:
         return SamplingSpec(temperature=self.cfg.temperature, top_p=1.0,
@@ -98,56 +151,67 @@ class Trainer:
             self.first_eval = score
         return score
 
-    async def loop(self, service: "LearnerService", store: "WeightStore", membership: "Membership | None") -> None:
+    async def loop(self, service: "LearnerService", publisher: "Publisher", membership: "Membership | None") -> None:
+        """Train until ``cfg.steps`` versions or ``self.stopping``; offer every κ-th version."""
         cfg = self.cfg
-        eval0 = await self._eval()
-        self._write({"step": 0, "version": 0, "eval_reward": eval0, "elapsed_s": 0.0})
-        log.info("step 0: eval_reward %.3f", eval0)
+        if self.resumed_from is None:
+            eval0 = await self._eval()
+            self._write({"step": 0, "version": 0, "eval_reward": eval0, "elapsed_s": 0.0})
+            log.info("step 0: eval_reward %.3f", eval0)
         self.started = time.monotonic()
-        window_start, window_groups = time.monotonic(), 0
-        while cfg.steps <= 0 or self.step < cfg.steps:
+        window = [time.monotonic(), 0]
+        while (cfg.steps <= 0 or self.grpo.version < cfg.steps) and not self.stopping:
             batch = self.buffer.take(cfg.prompts_per_step, service.version)
             if batch is None:
                 service.accepted = trio.Event()
                 with trio.move_on_after(1.0):
                     await service.accepted.wait()
                 continue
-            for g in batch:
-                if g.prompt_id in self.trained_prompt_ids:
-                    self.prompts_trained_twice += 1
-                self.trained_prompt_ids.add(g.prompt_id)
-            stale_max = max(service.version - g.behaviour_version for g in batch)
-            metrics = await trio.to_thread.run_sync(self.grpo.train_step, batch)
-            self.step += 1
-            t_train = float(metrics["train_seconds"])
-            self.train_seconds_total += t_train
-            state = await trio.to_thread.run_sync(self.grpo.state_dict)
-            pub = await store.publish(self.grpo.version, state)
-            service.version = self.grpo.version
-            fetch = store.fetch_seconds(self.grpo.version - 1)
-            t_bcast = pub.build_seconds + (max(fetch) if fetch else 0.0)
-            a = 0.2 if self.step > 1 else 1.0
-            self.t_train_ema = (1 - a) * self.t_train_ema + a * t_train
-            self.t_bcast_ema = (1 - a) * self.t_bcast_ema + a * t_bcast
-            window_groups += len(batch)
-            row = self._row(service, metrics, stale_max, t_bcast, window_groups / max(1e-9, time.monotonic() - window_start))
-            if self.step % max(1, cfg.eval_every) == 0 or self.step == cfg.steps:
-                row["eval_reward"] = await self._eval()
-            self._write(row)
-            service.learner_summary = self._summary(service, row)
-            if self.step % 10 == 0 or self.step == cfg.steps:
-                log.info("step %d: reward %.3f eval %s nodes %d stale_max %d", self.step, row["reward_mean"],
-                         row.get("eval_reward", "-"), row["nodes_active"], row["staleness_max"])
-            if time.monotonic() - window_start > 20:
-                window_start, window_groups = time.monotonic(), 0
+            await self._step(service, publisher, batch, window)
 
-    def _row(self, service: "LearnerService", metrics: dict[str, Any], stale_max: int, t_bcast: float,
+    async def _step(self, service: "LearnerService", publisher: "Publisher", batch: list[Any], window: list) -> None:
+        cfg = self.cfg
+        for g in batch:
+            if g.prompt_id in self.trained_prompt_ids:
+                self.prompts_trained_twice += 1
+            self.trained_prompt_ids[g.prompt_id] = None
+        stale_max = max(service.version - g.behaviour_version for g in batch)
+        metrics = await trio.to_thread.run_sync(self.grpo.train_step, batch)
+        self.step = self.grpo.version
+        service.version = self.grpo.version
+        t_train = float(metrics["train_seconds"])
+        self.train_seconds_total += t_train
+        self.t_train_ema = t_train if self.t_train_ema == 0 else 0.8 * self.t_train_ema + 0.2 * t_train
+        if self.step % self.kappa == 0 or self.step == cfg.steps:
+            publisher.offer(self.step, await trio.to_thread.run_sync(self.grpo.state_dict))
+        window[1] += len(batch)
+        row = self._row(service, publisher, metrics, stale_max, window[1] / max(1e-9, time.monotonic() - window[0]))
+        if self.step % max(1, cfg.eval_every) == 0 or self.step == cfg.steps:
+            row["eval_reward"] = await self._eval()
+        self._write(row)
+        service.learner_summary = self._summary(service, row)
+        if self.step % 10 == 0 or self.step == cfg.steps:
+            log.info("step %d: reward %.3f eval %s nodes %d stale_max %d bcast v%s", self.step, row["reward_mean"],
+                     row.get("eval_reward", "-"), row["nodes_active"], row["staleness_max"], row["broadcast_version"])
+        if cfg.checkpoint_dir and cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
+            await self.checkpoint()
+        if time.monotonic() - window[0] > 20:
+            window[:] = [time.monotonic(), 0]
+
+    def on_broadcast(self, rec: "BroadcastRecord") -> None:
+        """Per completed broadcast: the capacity model's T_bcast (EMA)."""
+        self.t_bcast_ema = rec.t_bcast if self.t_bcast_ema == 0 else 0.8 * self.t_bcast_ema + 0.2 * rec.t_bcast
+
+    def _row(self, service: "LearnerService", publisher: "Publisher", metrics: dict[str, Any], stale_max: int,
              rollouts_per_s: float) -> dict[str, Any]:
         cfg = self.cfg
         elapsed = time.monotonic() - self.started
         active = service.active_peers()
         available = sum(p.rollouts_per_s for p in active)
-        required = required_throughput(1, cfg.prompts_per_step, self.t_train_ema, self.t_bcast_ema)
+        required = required_throughput(self.kappa, cfg.prompts_per_step, self.t_train_ema, self.t_bcast_ema)
+        last = publisher.last
+        bcast = last.metrics() if last is not None else {"broadcast_seconds": None, "broadcast_version": None,
+                                                          "broadcast_kind": None}
         bc = self.buffer.counters()
         return {
             "step": self.step, "version": int(metrics["version"]), "reward_mean": float(metrics["reward_mean"]),
@@ -160,12 +224,14 @@ class Trainer:
             "rollouts_rejected_invalid": service.counters["rollouts_rejected_invalid"],
             "submissions_rejected_replay": service.counters["submissions_rejected_replay"],
             "leases_expired": service.book.expired, "leases_issued": service.book.issued,
-            "broadcast_seconds": t_bcast, "t_train_s": self.t_train_ema, "t_bcast_s": self.t_bcast_ema,
+            **bcast, "published_version": service.published, "publish_every": self.kappa,
+            "broadcasts_skipped": publisher.skipped, "t_train_s": self.t_train_ema, "t_bcast_s": self.t_bcast_ema,
             "required_rollouts_per_s": required, "available_rollouts_per_s": available,
             "busy_fraction": self.train_seconds_total / max(1e-9, elapsed),
             "prompts_trained_twice": self.prompts_trained_twice, "elapsed_s": elapsed,
             "per_node_rollouts_per_s": {p.peer_id[:12]: round(p.rollouts_per_s, 3) for p in active},
             "per_node_groups": {p.peer_id[:12]: p.groups_accepted for p in service.peers.values()},
+            "per_node_version": {p.peer_id[:12]: p.version for p in service.peers.values()},
         }
 
     def _summary(self, service: "LearnerService", row: dict[str, Any]) -> dict[str, Any]:

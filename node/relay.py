@@ -168,7 +168,7 @@ class Relay:
             except (PeerUnavailable, RemoteError) as exc:
                 log.info("done report for v%d failed: %s", ann.version, exc)
                 await trio.sleep(0.5)
-        if ok and new:
+        if new:  # also when a catch-up moved us forward but short of this version
             await self._deliver()
 
     async def _receive_stripe(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
@@ -263,11 +263,13 @@ class Relay:
         async with self._apply_lock:
             if manifest.version <= self.version:
                 return True, "already held", False
+            before = self.version
             if manifest.kind == "delta" and manifest.base_version != self.version:
-                # not at the base: relay the chunks (done) but catch up for ourselves
-                before = self.version
+                # not at the base: relay the chunks (done) but catch up for ourselves; a holder
+                # may be one version behind this one, so apply the delta if we reached its base
                 await self._catch_up(None, 120.0)
-                return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
+                if self.version >= manifest.version or manifest.base_version != self.version:
+                    return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
             base = self.result
 
             def build() -> bytes:
@@ -278,7 +280,7 @@ class Relay:
             try:
                 result = await trio.to_thread.run_sync(build)
             except ProtocolError as exc:
-                return False, f"verification failed: {exc}", False
+                return False, f"verification failed: {exc}", self.version != before
             self.version, self.result = manifest.version, result
             self.server.hold(manifest, chunks)
             return True, "", True
@@ -289,6 +291,23 @@ class Relay:
         out = self.on_version(self.version, self.result)
         if inspect.isawaitable(out):
             await out
+
+    async def adopt(self, version: int, result: bytes) -> bool:
+        """Take a version obtained another way (the daemon's fallback fetch, already verified
+        against its signed manifest) as the base for the next deltas; True if newer."""
+        async with self._apply_lock:
+            if version <= self.version:
+                return False
+            self.version, self.result = version, result
+            return True
+
+    def reset(self, learner_peer_id: str) -> None:
+        """Forget every version (the learner restarted from an older checkpoint, or changed)."""
+        self.learner = learner_peer_id
+        self.version, self.result = -1, None
+        self.server.chain = []
+        self.server.states.clear()
+        self.known_peers.clear()
 
     # --- catch-up -------------------------------------------------------------------------------
     async def catch_up(self, sources: list[str] | None = None, timeout: float = 300.0) -> int:

@@ -1,6 +1,7 @@
 """Weights over the network, learner → node directly: the learner's ``WeightStore`` serves
-signed manifests and chunks; ``fetch_weights`` is the node's whole fetch path (one function, so
-the broadcast relay can replace it).
+signed manifests and chunks; ``fetch_weights`` is the node's fallback fetch path (the broadcast,
+``node/broadcast.py`` + ``node/relay.py``, is the primary one): for a node that has no version
+yet or could not catch up. The store holds the same safetensors bytes the broadcast publishes.
 
 Serialisation, hashing and deserialisation run in worker threads, never on the trio loop.
 """
@@ -33,8 +34,9 @@ class Published:
 class WeightStore:
     """The learner's last ``keep`` versions as manifests + content-addressed chunks."""
 
-    def __init__(self, identity: Identity, run_id: str, keep: int = 4) -> None:
+    def __init__(self, identity: Identity, run_id: str, keep: int = 4, upload_limit: Any = None) -> None:
         self.identity = identity
+        self.limiter = upload_limit  # an UploadLimiter shared with the broadcast, or None
         self.run_id = run_id
         self.keep = max(1, keep)
         self.versions: OrderedDict[int, Published] = OrderedDict()
@@ -44,11 +46,15 @@ class WeightStore:
         self.fetches: dict[tuple[str, int], list[float]] = {}
 
     async def publish(self, version: int, state_dict: dict[str, Any]) -> Published:
+        data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
+        return await self.publish_bytes(version, data)
+
+    async def publish_bytes(self, version: int, data: bytes) -> Published:
+        """Hold ``version`` (a safetensors file) as a signed full manifest + chunks."""
         t0 = time.perf_counter()
         parent = next(reversed(self.versions)) if self.versions else -1
 
         def build() -> tuple[Manifest, list[bytes]]:
-            data = snapshot.state_dict_to_safetensors(state_dict)
             return snapshot.build_manifest(self.identity, self.run_id, version, parent, data, data)
 
         manifest, chunks = await trio.to_thread.run_sync(build)
@@ -89,6 +95,8 @@ class WeightStore:
         data = self.chunks.get(msg.digest)
         if data is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "chunk not held")
+        if self.limiter is not None:
+            await self.limiter.acquire(len(data))
         for (peer, _v), span in list(self.fetches.items())[-64:]:
             if peer == ctx.peer_id:
                 span[1] = time.monotonic()
@@ -112,6 +120,17 @@ async def fetch_weights(host: Host, learner_peer_id: str, run_id: str, have_vers
     """Fetch the learner's newest version if newer than ``have_version``: the manifest is
     verified against the pinned learner ID, every chunk against its digest, the file against
     the manifest. Returns (version, state dict, seconds) or None if nothing newer."""
+    got = await fetch_weights_bytes(host, learner_peer_id, run_id, have_version, timeout)
+    if got is None:
+        return None
+    version, payload, seconds = got
+    state = await trio.to_thread.run_sync(snapshot.safetensors_to_state_dict, payload)
+    return version, state, seconds
+
+
+async def fetch_weights_bytes(host: Host, learner_peer_id: str, run_id: str, have_version: int,
+                              timeout: float = 60.0) -> tuple[int, bytes, float] | None:
+    """``fetch_weights`` without the decoding: (version, verified safetensors bytes, seconds)."""
     t0 = time.perf_counter()
     with trio.fail_after(timeout):
         manifest = await host.request(learner_peer_id, protocols.MANIFEST,
@@ -126,10 +145,10 @@ async def fetch_weights(host: Host, learner_peer_id: str, run_id: str, have_vers
             assert isinstance(reply, Chunk)
             await trio.to_thread.run_sync(assembler.add, reply.digest, reply.data)
 
-        def rebuild() -> dict[str, Any]:
+        def rebuild() -> bytes:
             payload = assembler.payload()
             snapshot.verify_result(manifest, payload)
-            return snapshot.safetensors_to_state_dict(payload)
+            return payload
 
-        state = await trio.to_thread.run_sync(rebuild)
-    return manifest.version, state, time.perf_counter() - t0
+        payload = await trio.to_thread.run_sync(rebuild)
+    return manifest.version, payload, time.perf_counter() - t0

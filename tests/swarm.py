@@ -26,15 +26,17 @@ class Swarm:
         self.procs: list[subprocess.Popen] = []
         self.addr = ""
 
-    def start_learner(self, *args: str, timeout: float = 120.0) -> str:
+    def start_learner(self, *args: str, timeout: float = 120.0, log: str = "learner.log") -> str:
         addr_file = self.tmp / "addr"
+        addr_file.unlink(missing_ok=True)
+        self.learner_log = self.tmp / log
         self.learner = echorl("learner", "--addr-file", str(addr_file), "--metrics-out",
-                              str(self.tmp / "m.jsonl"), *args, log=self.tmp / "learner.log")
+                              str(self.tmp / "m.jsonl"), *args, log=self.learner_log)
         self.procs.append(self.learner)
         deadline = time.monotonic() + timeout
         while not addr_file.exists():
             if self.learner.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("learner did not start:\n" + (self.tmp / "learner.log").read_text()[-3000:])
+                raise RuntimeError("learner did not start:\n" + self.learner_log.read_text()[-3000:])
             time.sleep(0.1)
         self.addr = addr_file.read_text().strip()
         return self.addr
@@ -65,9 +67,9 @@ class Swarm:
             if value:
                 return value
             if self.learner.poll() is not None:
-                raise RuntimeError("learner exited:\n" + (self.tmp / "learner.log").read_text()[-3000:])
+                raise RuntimeError("learner exited:\n" + self.learner_log.read_text()[-3000:])
             time.sleep(0.2)
-        raise TimeoutError(f"timed out waiting for {what}:\n" + (self.tmp / "learner.log").read_text()[-3000:])
+        raise TimeoutError(f"timed out waiting for {what}:\n" + self.learner_log.read_text()[-3000:])
 
     def stop(self) -> None:
         for p in self.procs:
