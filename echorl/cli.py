@@ -22,6 +22,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already speaks of one or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == "" or default == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def _chosen_command(argv: list[str]) -> str | None:
     for arg in argv:
         if not arg.startswith("-"):
@@ -38,7 +49,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = _chosen_command(argv)
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=_HelpFormatter)
         if name == chosen:
             module = _load(module_name, name)
             module.add_arguments(p)

@@ -29,16 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", required=True, help="multiaddr of a bootstrap peer (/ip4/…/tcp/…/p2p/<id>)")
     p.add_argument("--key", default=os.path.expanduser("~/.config/echorl/node.key"),
                    help="Ed25519 key file (created with mode 0600 if missing)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--price-per-hour", dest="price_per_hour", type=float, default=0.0)
-    p.add_argument("--run-id", dest="run_id", default="echorl-demo")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the node samples")
+    p.add_argument("--price-per-hour", dest="price_per_hour", type=float, default=0.0, help="what this node asks per hour (capability record; used for cost-aware scheduling)")
+    p.add_argument("--run-id", dest="run_id", default="echorl-demo", help="the run to join")
     p.add_argument("--learner-id", dest="learner_id", default=None,
                    help="pin the learner's peer ID (default: the bootstrap peer is the learner); "
                         "only manifests signed by this peer are accepted")
     p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
-    p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the default model's seed")
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (others relay weights to us through it)")
+    p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8, help="most prompts asked for per lease")
     p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
                    help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
 

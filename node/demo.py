@@ -19,11 +19,11 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--staleness", type=int, default=4)
-    p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=3, help="node daemons to start (separate OS processes)")
+    p.add_argument("--steps", type=int, default=300, help="learner steps (one optimizer step = one policy version)")
+    p.add_argument("--staleness", type=int, default=4, help="staleness bound S: a rollout of version b is used at step t iff t - b <= S")
+    p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl", help="JSON line per learner step")
+    p.add_argument("--seed", type=int, default=0, help="seed of the default model, prompts and sampling")
     p.add_argument("--workdir", default="", help="keys, logs and the address file (default: a temp dir)")
     p.add_argument("--publish-every", dest="publish_every", type=int, default=0,
                    help="publication period κ (default max(1, S-1))")

@@ -17,11 +17,11 @@ import trio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", required=True, help="multiaddr of any bootstrap peer of the run")
-    p.add_argument("--run-id", dest="run_id", default="echorl-demo")
+    p.add_argument("--run-id", dest="run_id", default="echorl-demo", help="the run to inspect")
     p.add_argument("--json", action="store_true", help="print one machine-readable object")
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
-    p.add_argument("--interval", type=float, default=2.0)
-    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--interval", type=float, default=2.0, help="refresh period of --watch, seconds")
+    p.add_argument("--timeout", type=float, default=20.0, help="give up after this many seconds without an answer")
 
 
 def run(args: argparse.Namespace) -> int:
