@@ -60,7 +60,7 @@ def spawn_peers(n: int, learner_addr: str, mbps: float, stall_s: float, extra: l
     procs = []
     for _ in range(n):
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "echorl.node.relay", "--learner", learner_addr, "--run-id", "bench",
+            [sys.executable, "-m", "echorl.node.relay_process", "--learner", learner_addr, "--run-id", "bench",
              "--upload-mbps", str(mbps), "--stall-s", str(stall_s), *(extra or [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True))
     return procs

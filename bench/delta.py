@@ -41,8 +41,6 @@ def ratio(old: bytes, new: bytes) -> float:
 
 
 def addition_batch(tok, n: int, rng: random.Random):
-    import torch
-
     texts = [f"{a}+{b}={a + b}" for a, b in ((rng.randrange(100), rng.randrange(100)) for _ in range(n))]
     enc = tok(texts, return_tensors="pt", padding=True)
     labels = enc["input_ids"].clone()

@@ -24,7 +24,6 @@ import json
 import logging
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any

@@ -17,6 +17,7 @@ Every read and write has a deadline.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -32,8 +33,6 @@ from .framing import STREAM_ERRORS, CleanEnd, Truncated, read_frame, reset_quiet
 from .host import Host, PeerUnavailable
 
 log = logging.getLogger("echorl.node.transport")
-
-import os
 
 SLICE_BYTES = int(os.environ.get("ECHORL_SLICE_BYTES", 64 * 1024))
 #: largest frame of a chunk stream: a Chunk message of MAX_CHUNK_BYTES plus msgpack overhead

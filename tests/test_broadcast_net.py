@@ -35,12 +35,12 @@ def safetensors_f32(values: np.ndarray) -> bytes:
 
 
 class Peer:
-    """One relay peer process (``python -m echorl.node.relay``), its JSON events collected."""
+    """One relay peer process (``python -m echorl.node.relay_process``), its JSON events collected."""
 
     def __init__(self, learner_addr: str, *args: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "echorl.node.relay", "--learner", learner_addr, "--run-id", RUN, *args],
+            [sys.executable, "-m", "echorl.node.relay_process", "--learner", learner_addr, "--run-id", RUN, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         self.events: list[dict] = []
         self.ready = threading.Event()
