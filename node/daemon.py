@@ -192,10 +192,10 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
     await weights.ensure(0)
     idle = 0.05
     while True:
-        lease, paced = await _request_lease(host, args, state)
+        lease, wait = await _request_lease(host, args, state)
         if lease is None:
-            if paced:
-                await trio.sleep(idle)
+            if wait > 0:
+                await trio.sleep(max(wait, idle))
                 idle = min(idle * 1.5, 0.5)
             continue
         idle = 0.05
@@ -205,35 +205,29 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
         state.leases_done += 1
 
 
-async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) -> Any:
-    """(lease, False), or (None, paced?): a refusal for old or unknown weights updates them
-    first and asks again at once; a paced one waits."""
-    from echorl.protocol.errors import ErrorCode
-    from echorl.protocol.messages import Lease, LeaseRequest
+async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) -> tuple[Any, float]:
+    """(lease, 0) or (None, seconds to wait): a deferral for old or unknown weights updates them
+    first and asks again at once (or shortly, if nothing newer is to be had yet)."""
+    from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
 
     from . import protocols
-    from .host import RemoteError
-    from .node_weights import wanted_version
 
     weights = state.weights
-    try:
-        lease = await host.request(state.learner, protocols.LEASE,
-                                   LeaseRequest(run_id=state.run_id, version=weights.version,
-                                                max_prompts=args.max_prompts), expect=Lease)
-    except RemoteError as exc:
-        if exc.code != ErrorCode.UNAVAILABLE:
-            raise
-        if "weights unknown" in exc.detail:  # ahead of the learner: it went back to a checkpoint
-            weights.forget(state.learner)
-            await weights.ensure(0)
-            return None, False
-        if "weights too old" in exc.detail:
-            before = weights.version
-            await weights.ensure(wanted_version(exc.detail) or weights.version + 1)
-            return None, weights.version == before  # nothing newer anywhere yet: wait a little
-        return None, True
-    assert isinstance(lease, Lease)
-    return lease, False
+    reply = await host.request(state.learner, protocols.LEASE,
+                               LeaseRequest(run_id=state.run_id, version=weights.version,
+                                            max_prompts=args.max_prompts), expect=(Lease, LeaseDeferred))
+    if isinstance(reply, Lease):
+        return reply, 0.0
+    assert isinstance(reply, LeaseDeferred)
+    if reply.reason == "weights_unknown":  # ahead of the learner: it went back to a checkpoint
+        weights.forget(state.learner)
+        await weights.ensure(0)
+        return None, 0.0
+    if reply.reason == "weights_too_old":
+        before = weights.version
+        await weights.ensure(max(reply.want_version, weights.version + 1))
+        return None, (0.05 if weights.version == before else 0.0)  # nothing newer anywhere yet
+    return None, max(reply.retry_after_s, 0.01)
 
 
 async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:

@@ -24,7 +24,7 @@ from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
-    Capability, JoinAccepted, JoinRequest, Lease, LeasePrompt, LeaseRequest, LeaseReturn, Message,
+    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeasePrompt, LeaseRequest, LeaseReturn, Message,
     SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
 )
 
@@ -165,22 +165,25 @@ class LearnerService:
         peer.version = msg.version
         pol = self.policy
         if self.stopping:
-            raise ProtocolError(ErrorCode.UNAVAILABLE, "paced: the learner is stopping")
+            return self._deferred("stopping", retry_after_s=1.0)
         min_version = pol.min_version(self.version)
         if msg.version < min_version:
-            raise ProtocolError(ErrorCode.UNAVAILABLE, f"weights too old: fetch version >= {min_version}")
+            return self._deferred("weights_too_old", want_version=min_version)
         if msg.version > self.published:
-            raise ProtocolError(ErrorCode.UNAVAILABLE, f"weights unknown: fetch version {self.published}")
+            return self._deferred("weights_unknown", want_version=self.published)
         room = pol.room(self.version, msg.version, len(self.buffer) + self.book.outstanding_prompts())
         n = min(msg.max_prompts, pol.prompts_per_lease, room)
         if n <= 0:
-            raise ProtocolError(ErrorCode.UNAVAILABLE, "paced: enough rollouts in flight")
+            return self._deferred("paced", retry_after_s=0.05)
         prompts = self.buffer.next_prompts(self.task, n)
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), pol.lease_timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
                      prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
                      group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
                      deadline_s=pol.lease_timeout_s)
+
+    def _deferred(self, reason: str, want_version: int = -1, retry_after_s: float = 0.0) -> LeaseDeferred:
+        return LeaseDeferred(run_id=self.run_id, reason=reason, want_version=want_version, retry_after_s=retry_after_s)
 
     async def on_submit(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, Submit)

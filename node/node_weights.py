@@ -10,7 +10,6 @@ version its tokens were sampled with.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +108,3 @@ class NodeWeights:
         await self.relay.adopt(version, data)  # the base of the next broadcast delta
         await self._load(version, data, "fetch")
         log.info("weights v%d fetched directly in %.3f s (fallback)", version, seconds)
-
-
-def wanted_version(detail: str) -> int | None:
-    """The version a learner's "weights too old: fetch version >= N" refusal asks for."""
-    m = re.search(r"fetch version >= (\d+)", detail)
-    return int(m.group(1)) if m else None

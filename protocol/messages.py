@@ -106,6 +106,20 @@ class Lease(Message):
     deadline_s: Annotated[float, Field(gt=0.0, le=86400.0, allow_inf_nan=False)]  # from receipt
 
 
+class LeaseDeferred(Message):
+    """The learner's answer to a ``LeaseRequest`` it cannot serve now, with what to do next:
+    ``weights_too_old`` (get version ``want_version`` or newer first), ``weights_unknown`` (the
+    node claims a version the learner never published, e.g. after the learner resumed from an
+    older checkpoint: drop it and fetch ``want_version``), ``paced`` (enough work in flight) or
+    ``stopping`` (the learner is shutting down). Ask again after ``retry_after_s``."""
+
+    type: Literal["lease_deferred"] = "lease_deferred"
+    run_id: RunId
+    reason: Literal["weights_too_old", "weights_unknown", "paced", "stopping"]
+    want_version: Version  # -1 unless the reason is about weights
+    retry_after_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)]
+
+
 class LeaseReturn(Message):
     """A node gives leases back (shutdown) so their prompts are re-queued at once."""
 
@@ -342,7 +356,7 @@ class LearnerRecord(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
-        JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseReturn, Submit, SubmitAccepted,
+        JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted,
         Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
         LearnerRecord,

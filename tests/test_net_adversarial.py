@@ -18,10 +18,9 @@ from echorl.node import protocols
 from echorl.node.framing import read_frame
 from echorl.node.host import RemoteError, open_host
 from echorl.protocol import wire
-from echorl.protocol.errors import ErrorCode
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
-    Capability, JoinAccepted, JoinRequest, Lease, LeaseRequest, RolloutGroup, Sample, Status, StatusRequest,
+    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, RolloutGroup, Sample, Status, StatusRequest,
     Submit, SubmitAccepted,
 )
 
@@ -63,12 +62,13 @@ async def _raw(host, peer: str, protocol: str, payload: bytes) -> str:
 
 async def _lease(host, learner: str, version: int) -> Lease:
     for _ in range(200):
-        try:
-            return await host.request(learner, protocols.LEASE,
-                                      LeaseRequest(run_id="echorl-demo", version=version, max_prompts=4), expect=Lease)
-        except RemoteError as exc:
-            assert exc.code == ErrorCode.UNAVAILABLE, exc
-            await trio.sleep(0.05)
+        reply = await host.request(learner, protocols.LEASE,
+                                   LeaseRequest(run_id="echorl-demo", version=version, max_prompts=4),
+                                   expect=(Lease, LeaseDeferred))
+        if isinstance(reply, Lease):
+            return reply
+        assert reply.reason == "paced", reply
+        await trio.sleep(0.05)
     raise AssertionError("no lease")
 
 
