@@ -32,6 +32,7 @@ from echorl.node.broadcast import Broadcaster, NodeInfo  # noqa: E402
 from echorl.node.host import HostConfig, open_host  # noqa: E402
 from echorl.node.transport import UploadLimiter  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
+from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -158,11 +159,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = trio.run(run, args)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:>28}: {v}")
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

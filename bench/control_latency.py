@@ -43,6 +43,7 @@ from echorl.node.host import open_host  # noqa: E402
 from echorl.protocol import wire  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
 from echorl.protocol.messages import Lease, LeasePrompt, LeaseRequest, SamplingSpec  # noqa: E402
+from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
 
 PROTO = "/echorl/lease/1"
 
@@ -188,11 +189,7 @@ def main() -> None:
     out["loadavg_before"] = [round(x, 2) for x in load_before]
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     out["cpu_count"] = os.cpu_count()
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:>32}: {v}")
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

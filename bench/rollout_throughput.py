@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -189,11 +190,7 @@ def main() -> None:
                       "end": [round(x, 2) for x in os.getloadavg()]}
     out["cpu_count"] = os.cpu_count()
     out["total_s"] = round(time.monotonic() - t0, 1)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:>28}: {v}")
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

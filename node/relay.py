@@ -57,6 +57,19 @@ VersionCallback = Callable[[int, bytes], Any]
 INLINE_HASH_BYTES = 512 * 1024  # chunks up to this size are hashed on the loop (< 0.5 ms)
 
 
+def rebuild_version(manifest: Manifest, payload: bytes, base: bytes | None) -> bytes:
+    """The version's safetensors file from a verified payload (a full file, or a delta applied
+    to ``base``), checked bit for bit against the manifest. Raises ``ProtocolError``."""
+    if manifest.kind == "full":
+        result = payload
+    elif base is None:
+        raise ProtocolError(ErrorCode.BAD_MANIFEST, f"delta v{manifest.version} needs its base version")
+    else:
+        result = delta_mod.apply_delta(base, payload)
+    snapshot.verify_result(manifest, result)
+    return result
+
+
 class Relay:
     def __init__(self, host: Host, learner_peer_id: str, run_id: str, *,
                  on_version: VersionCallback | None = None,
@@ -266,13 +279,8 @@ class Relay:
                     return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
             base = self.result
 
-            def build() -> bytes:
-                result = payload if manifest.kind == "full" else delta_mod.apply_delta(base, payload)
-                snapshot.verify_result(manifest, result)
-                return result
-
             try:
-                result = await trio.to_thread.run_sync(build)
+                result = await trio.to_thread.run_sync(rebuild_version, manifest, payload, base)
             except ProtocolError as exc:
                 return False, f"verification failed: {exc}", self.version != before
             self.version, self.result = manifest.version, result
@@ -367,13 +375,8 @@ class Relay:
             payload = assembler.payload()
             base = self.result
 
-            def build(m: Manifest = m, payload: bytes = payload, base: bytes | None = base) -> bytes:
-                result = payload if m.kind == "full" else delta_mod.apply_delta(base, payload)
-                snapshot.verify_result(m, result)
-                return result
-
             try:
-                result = await trio.to_thread.run_sync(build)
+                result = await trio.to_thread.run_sync(rebuild_version, m, payload, base)
             except ProtocolError as exc:
                 log.warning("catch-up v%d failed verification: %s", m.version, exc)
                 return False
