@@ -5,7 +5,11 @@ forever. A node refused for old weights waits for the broadcast in flight, then 
 peers, then fetches directly from the learner.
 
 Reconnects with exponential backoff (plus jitter) when the learner is unreachable; on SIGTERM or
-SIGINT it returns the lease it holds (so its prompts are re-queued at once) and exits 0.
+SIGINT it returns the lease it holds (so its prompts are re-queued at once), writes its newest
+version to disk and exits 0.
+
+The newest verified version is kept in ``--state-dir`` (``node/node_state.py``); a restart with
+the same key starts from it, after verifying it against the pinned learner and the run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -39,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the default model's seed")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (others relay weights to us through it)")
     p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8, help="most prompts asked for per lease")
+    p.add_argument("--state-dir", dest="state_dir", default=None,
+                   help="where the newest verified weights are kept, so a restart does not re-download "
+                        "them (default: state-<key name>-<run id> next to the --key file)")
     p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
                    help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
 
@@ -95,16 +103,19 @@ async def main(args: argparse.Namespace) -> None:
 
     from .host import HostConfig, open_host
     from .membership import Membership
+    from .node_state import SnapshotKeeper, default_state_dir
     from .node_weights import NodeWeights
     from .transport import UploadLimiter
 
     identity = load_or_create_identity(args.key)
+    state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, args)
     log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
     state = NodeState(run_id=args.run_id)
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
         cap = _capability(args, backend, tps, host.addrs)
-        state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps))
+        state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps),
+                                    keeper=SnapshotKeeper(state_dir, args.run_id))
         async with trio.open_nursery() as nursery:
             args._membership = Membership(host, args.run_id, server=True)
             await nursery.start(args._membership.run)
@@ -114,8 +125,11 @@ async def main(args: argparse.Namespace) -> None:
                 nursery.start_soon(_cancel_when, stop, work)
                 await _work_forever(host, args, state, cap, nursery)
             await _return_lease(host, state)
+            with trio.move_on_after(120):
+                await state.weights.flush()  # the newest version on disk before we go
             nursery.cancel_scope.cancel()
-    log.info("node stopped after %d leases (versions loaded: %s)", state.leases_done, state.weights.loads)
+    log.info("node stopped after %d leases (versions loaded: %s; started from on-disk v%d)",
+             state.leases_done, state.weights.loads, state.weights.started_from)
 
 
 async def _wait_signal(stop: trio.Event) -> None:
@@ -184,7 +198,8 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
                                  timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
     accepted = await host.request(state.learner, protocols.JOIN, join, expect=JoinAccepted)
     assert isinstance(accepted, JoinAccepted)
-    log.info("joined run %s at learner version %d (S=%d)", state.run_id, accepted.version, accepted.staleness_bound)
+    log.info("joined run %s at learner version %d (S=%d) holding v%d", state.run_id, accepted.version,
+             accepted.staleness_bound, weights.version)
     if weights.version > accepted.version:  # the learner resumed from an older checkpoint
         weights.forget(state.learner)
     if getattr(args, "_membership", None) is not None:

@@ -5,6 +5,11 @@ for a node with no version yet or one that could not catch up.
 
 Generation and weight loading share one lock, so a rollout's behaviour version is exactly the
 version its tokens were sampled with.
+
+With a ``SnapshotKeeper`` (``node/node_state.py``) the newest loaded version is also kept on disk
+with its signed manifest, and at start a verified on-disk snapshot becomes the node's version
+(loaded into the backend and adopted by the relay as the base for deltas), so a restarted node
+asks only for what is newer.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from typing import Any
 import trio
 
 from echorl.protocol import snapshot
+from echorl.protocol.messages import Manifest, ManifestRequest
+
+from .node_state import SnapshotKeeper
 
 log = logging.getLogger("echorl.node.daemon")
 
@@ -37,6 +45,8 @@ class NodeWeights:
     lock: trio.Lock = field(default_factory=trio.Lock)  # held while generating or loading
     changed: trio.Event = field(default_factory=trio.Event)
     loads: dict[str, int] = field(default_factory=lambda: {"relay": 0, "fetch": 0})
+    keeper: SnapshotKeeper | None = None  # the newest verified version on disk
+    started_from: int = -1  # the on-disk version this process started from (-1: none)
 
     async def attach(self, learner: str, nursery: trio.Nursery) -> None:
         """The relay for ``learner`` (created and started once; reset if the learner changed)."""
@@ -45,34 +55,99 @@ class NodeWeights:
         if self.relay is None:
             self.relay = Relay(self.host, learner, self.run_id, on_version=self._on_version,
                                upload_limit=self.upload_limit)
+            await self._resume(learner)
             self.relay.install()
             nursery.start_soon(self.relay.run)
+            if self.keeper is not None:
+                nursery.start_soon(self.keeper.run)
         elif self.relay.learner != learner:
             self.forget(learner)
 
+    async def _resume(self, learner: str) -> None:
+        """Start from the verified on-disk snapshot, if there is one for this learner and run."""
+        if self.keeper is None:
+            return
+        snap = await self.keeper.load(learner)
+        if snap is None:
+            log.info("no usable on-disk snapshot in %s: weights come from the network", self.keeper.state_dir)
+            return
+        try:
+            loaded = await self._load(snap.version, snap.data, "disk")
+        except Exception as exc:  # noqa: BLE001 - a snapshot the backend refuses is only a cache miss
+            log.warning("on-disk snapshot v%d does not load (%s): discarding it", snap.version, exc)
+            self.keeper.discard()
+            return
+        if loaded:
+            await self.relay.adopt(snap.version, snap.data)  # the base of the next broadcast delta
+            self.started_from = snap.version
+            log.info("resumed from on-disk snapshot v%d (%s, %d bytes)", snap.version, snap.manifest.kind,
+                     len(snap.data))
+
     def forget(self, learner: str) -> None:
-        """Drop every version (the learner changed or went back to an older checkpoint)."""
+        """Drop every version (the learner changed or went back to an older checkpoint), on disk
+        too: a learner that went back signs new weights under the same version numbers."""
         log.warning("forgetting weights v%d (learner restarted or changed)", self.version)
         self.relay.reset(learner)
         self.version = -1
+        if self.keeper is not None:
+            self.keeper.discard()
+
+    async def flush(self) -> None:
+        """Write the newest version to disk now (at shutdown)."""
+        if self.keeper is not None:
+            await self.keeper.flush()
 
     async def _on_version(self, version: int, data: bytes) -> None:
-        """Relay callback: a verified version (broadcast or catch-up) → the backend."""
-        await self._load(version, data, "relay")
+        """Relay callback: a verified version (broadcast or catch-up) → the backend (and disk)."""
+        if await self._load(version, data, "relay"):
+            manifest = self._relay_manifest(version) or await self._learner_manifest(version)
+            self._keep(manifest, data)
 
-    async def _load(self, version: int, data: bytes, how: str) -> None:
+    async def _load(self, version: int, data: bytes, how: str) -> bool:
+        """Load ``version`` into the backend unless we hold it or newer; True if loaded."""
         if version <= self.version:
-            return
+            return False
         sd = await trio.to_thread.run_sync(snapshot.safetensors_to_state_dict, data)
         async with self.lock:
             if version <= self.version:
-                return
+                return False
             await trio.to_thread.run_sync(self.backend.load_state_dict, sd, version)
             self.version = version
-        self.loads[how] += 1
+        self.loads[how] = self.loads.get(how, 0) + 1
         self.changed.set()
         self.changed = trio.Event()
         log.debug("weights v%d via %s", version, how)
+        return True
+
+    def _keep(self, manifest: Manifest | None, data: bytes) -> None:
+        """Hand a loaded version to the keeper (which verifies the pair again before writing)."""
+        if self.keeper is None or manifest is None or manifest.version != self.version:
+            return
+        self.keeper.offer(manifest, data, self.relay.learner)
+
+    def _relay_manifest(self, version: int) -> Manifest | None:
+        """The manifest the relay verified ``version`` against (its catch-up chain or the
+        version's broadcast state)."""
+        for manifest, _ in reversed(self.relay.server.chain):
+            if manifest.version == version:
+                return manifest
+        state = self.relay.server.states.get(version)
+        return None if state is None else state.manifest
+
+    async def _learner_manifest(self, version: int) -> Manifest | None:
+        """``version``'s signed manifest from the learner (the fallback fetch does not return
+        it); the keeper verifies it against the pinned learner and the bytes."""
+        from .host import PeerUnavailable, RemoteError
+        from .protocols import MANIFEST
+
+        try:
+            reply = await self.host.request(self.relay.learner, MANIFEST,
+                                            ManifestRequest(run_id=self.run_id, version=version),
+                                            expect=Manifest, timeout=10.0)
+        except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
+            log.info("manifest of v%d unavailable, not kept on disk: %s", version, exc)
+            return None
+        return reply if isinstance(reply, Manifest) else None
 
     async def generate(self, *args: Any) -> tuple[int, Any]:
         """``backend.generate(*args)`` in a worker thread with no version change meanwhile;
@@ -106,5 +181,6 @@ class NodeWeights:
             return
         version, data, seconds = got
         await self.relay.adopt(version, data)  # the base of the next broadcast delta
-        await self._load(version, data, "fetch")
+        if await self._load(version, data, "fetch"):
+            self._keep(await self._learner_manifest(version), data)
         log.info("weights v%d fetched directly in %.3f s (fallback)", version, seconds)
