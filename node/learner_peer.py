@@ -10,6 +10,12 @@ the nodes' fallback. Each step's metrics go to ``--metrics-out`` (JSON lines), i
 newest completed broadcast and the provisioning rule of DESIGN §7:
 required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
 
+A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed
+with the snapshot of the claimed version (``node/spot_check.py``; the weight store keeps the last
+S+1 published versions for it); a mismatch refuses the submission with ``logprob_mismatch`` and
+flags the peer, whose submissions are then all checked; after ``spot_check_ban_after`` (3)
+mismatches it is refused leases.
+
 With ``--checkpoint-dir`` the learner checkpoints atomically every ``--checkpoint-every`` steps,
 at the end and on SIGTERM (model, optimizer, version, RNG, task cursor, every prompt not yet
 trained); ``--resume`` continues from the newest checkpoint with the same run id, key
@@ -66,6 +72,14 @@ class LearnerConfig:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0  # steps; 0: only at the end and on SIGTERM
     resume: bool = False
+    # DESIGN §3 spot checks (node/spot_check.py): the fraction of submissions whose behaviour
+    # log-probs are recomputed with the claimed version's snapshot (every one of a flagged peer);
+    # a submission fails if mean |Δ| > tolerance_mean or max |Δ| > tolerance_max. The defaults
+    # fit float32 CPU actors (they agree to ~1e-5); bf16/fp16 GPU actors need looser values.
+    spot_check_fraction: float = 0.1
+    spot_check_tolerance_mean: float = 0.02
+    spot_check_tolerance_max: float = 0.5
+    spot_check_ban_after: int = 3  # mismatches before a peer is refused leases (0: never)
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> "LearnerConfig":
@@ -100,13 +114,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int,
                    help="checkpoint period in steps (0: only at the end and on SIGTERM)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
+    p.add_argument("--spot-check-fraction", dest="spot_check_fraction", type=float,
+                   help="fraction of submissions whose behaviour log-probs are recomputed with the claimed "
+                        "version's snapshot; a mismatch refuses the submission and flags the peer, whose "
+                        "submissions are then all checked (0: off; default 0.1)")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
     keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model",
             "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
-            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume")
+            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction")
     cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
     if cfg.resume and not cfg.checkpoint_dir:
         print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
@@ -138,7 +156,12 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                              trainer.vocab_size)
     service.version = service.published = trainer.grpo.version
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
-    store = WeightStore(identity, cfg.run_id, keep=2, upload_limit=limiter)
+    # the last S+1 published versions: every behaviour version still acceptable (t − b ≤ S) has
+    # its snapshot at hand for spot checks (and for the nodes' fallback fetch)
+    store = WeightStore(identity, cfg.run_id, keep=max(2, cfg.staleness + 1), upload_limit=limiter)
+    if cfg.spot_check_fraction > 0:
+        service.spot = await _spot_checker(cfg, trainer, store)
+        service.ban_after = cfg.spot_check_ban_after
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
             service.install(host)
@@ -156,6 +179,20 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                 nursery.cancel_scope.cancel()
     finally:
         trainer.close()
+
+
+async def _spot_checker(cfg: LearnerConfig, trainer: Any, store: Any) -> Any:
+    """Spot checker over the snapshots held by the weight store and a scratch copy of the
+    model, taken now (in a worker thread), before training starts: the checker never touches
+    the trainer's model, and nothing is loaded from disk while another thread trains."""
+    import copy
+
+    from .spot_check import SpotChecker, store_snapshots
+
+    scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(trainer.grpo.model))
+    return SpotChecker(lambda: scratch, trainer.tokenizer, trainer.sampling_spec().temperature,
+                       cfg.spot_check_fraction, store_snapshots(store), tolerance_mean=cfg.spot_check_tolerance_mean,
+                       tolerance_max=cfg.spot_check_tolerance_max)
 
 
 def _identity(cfg: LearnerConfig) -> Any:

@@ -4,8 +4,20 @@ Every submission is checked in this order, and a refusal changes only rejection 
 run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signature``) → nonce
 not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
-staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued).
+staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
+behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``node/spot_check.py``).
 Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
+
+Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
+recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
+keeps the last S+1 published versions); if that snapshot is gone the check is skipped and
+counted (``spot_checks_skipped``). A mismatch beyond tolerance settles the lease as refused
+(its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
+peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
+``ban_after`` mismatches (default 3; 0: never) the peer is banned for the life of this learner
+process: its leases are expired (prompts re-queued) and every later lease request is refused
+with ``logprob_mismatch``. Flags and bans are kept by peer ID across re-joins, not across a
+learner restart.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from echorl.protocol.messages import (
 from . import protocols
 from .host import Host, PeerUnavailable, RequestContext
 from .leases import LeaseBook, LeaseRecord
+from .spot_check import SpotChecker
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -115,6 +128,13 @@ class LearnerService:
         }
         self.learner_summary: dict[str, Any] = {}  # filled by the trainer loop for status
         self.host: Host | None = None
+        self.spot: SpotChecker | None = None  # set by the learner when spot checks are on
+        self.ban_after = 3  # mismatches before a peer is refused leases (0: never)
+        self.mismatches: dict[str, int] = {}  # peer id -> spot-check mismatches (flags survive re-joins)
+        self.counters.update({"spot_checks": 0, "spot_checks_skipped": 0, "rollouts_rejected_logprob": 0,
+                              "peers_flagged": 0, "peers_banned": 0})
+        self.spot_check_seconds = 0.0
+        self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
 
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
@@ -163,6 +183,9 @@ class LearnerService:
         assert isinstance(msg, LeaseRequest)
         peer = self._peer(ctx)
         peer.version = msg.version
+        if self.banned(ctx.peer_id):
+            raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
+                                f"refused: {self.mismatches[ctx.peer_id]} behaviour log-prob mismatches")
         pol = self.policy
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
@@ -215,6 +238,17 @@ class LearnerService:
             self.counters["submissions_rejected_stale"] += 1
             raise ProtocolError(ErrorCode.STALE_VERSION,
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
+        if self.spot is not None and self.spot.should_check(ctx.peer_id):
+            await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
+            # the check ran in a worker thread: the lease may have been settled meanwhile
+            # (expired, returned, or a concurrent submission for it), so look again
+            try:
+                self.book.check_nonce(msg.nonce)
+                rec = self.book.lookup(msg.lease_id, ctx.peer_id)
+            except ProtocolError as exc:
+                key = "submissions_rejected_replay" if exc.code == ErrorCode.REPLAY else "submissions_rejected_unknown_lease"
+                self.counters[key] += 1
+                raise
         self.book.settle(rec.lease_id, "result", msg.nonce)
         accepted = sum(1 for g in groups if self.buffer.offer(g, self.version) == Verdict.ACCEPTED)
         self.counters["submissions_accepted"] += 1
@@ -226,6 +260,46 @@ class LearnerService:
         peer.version = max(peer.version, b)
         self.accepted.set()
         return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version)
+
+    async def _spot_check(self, groups: list[ActorGroup], version: int, rec: LeaseRecord, nonce: bytes,
+                          peer_id: str) -> None:
+        """Recompute the behaviour log-probs; on a mismatch refuse, flag (and maybe ban)."""
+        assert self.spot is not None
+        try:
+            res = await self.spot.check(groups, version)
+        except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
+            log.exception("spot check of v%d failed to run; counted as skipped", version)
+            self.counters["spot_checks_skipped"] += 1
+            return
+        self.spot_check_seconds += res.seconds
+        if res.skipped:
+            self.counters["spot_checks_skipped"] += 1
+            return
+        self.counters["spot_checks"] += 1
+        if res.ok:
+            self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
+            return
+        self.counters["rollouts_rejected_logprob"] += 1
+        if self.book.active.get(rec.lease_id) is rec:  # not settled meanwhile
+            self._settle_refused(rec, nonce, "logprob_mismatch")
+        n = self.mismatches.get(peer_id, 0) + 1
+        self.mismatches[peer_id] = n
+        if n == 1:
+            self.counters["peers_flagged"] += 1
+        self.spot.flag(peer_id)
+        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
+                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        if self.banned(peer_id) and n == self.ban_after:
+            self.counters["peers_banned"] += 1
+            for gone in self.book.expire_peer(peer_id):
+                self.buffer.requeue(gone.prompts)
+            log.warning("peer %s banned after %d log-prob mismatches", peer_id[:16], n)
+        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
+                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
+                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+
+    def banned(self, peer_id: str) -> bool:
+        return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
 
     def _settle_refused(self, rec: LeaseRecord, nonce: bytes, how: str) -> None:
         self.book.settle(rec.lease_id, how, nonce)
@@ -271,7 +345,10 @@ class LearnerService:
         now = time.monotonic()
         learner = {"peer_id": self.identity.peer_id, "version": self.version, "staleness_bound": self.policy.staleness,
                    "buffer": len(self.buffer), "leases_active": len(self.book.active),
-                   "leases_expired": self.book.expired, **self.counters}
+                   "leases_expired": self.book.expired, **self.counters,
+                   "spot_check_fraction": self.spot.fraction if self.spot is not None else 0.0,
+                   "spot_check_seconds": round(self.spot_check_seconds, 4),
+                   "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
         learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
         peers = []
         for p in self.peers.values():
@@ -280,7 +357,8 @@ class LearnerService:
                           "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
                           "leases": len(self.book.held_by(p.peer_id)), "leases_done": p.leases_done,
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
-                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive})
+                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
+                          "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id)})
         return Status(run_id=self.run_id, learner=learner, peers=peers)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:

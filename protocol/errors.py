@@ -25,6 +25,7 @@ class ErrorCode(str, Enum):
     RATE_LIMITED = "rate_limited"  # the peer exceeded its request budget
     UNAVAILABLE = "unavailable"  # temporarily cannot serve (e.g. no work); retry later
     INTERNAL = "internal"  # the handler failed; the request may be retried
+    LOGPROB_MISMATCH = "logprob_mismatch"  # behaviour log-probs disagree with the claimed version's snapshot
 
 
 class ProtocolError(Exception):

@@ -26,8 +26,10 @@ from echorl.protocol.messages import (
 
 from swarm import Swarm
 
+# spot checks off: the one "genuine" submission here carries fabricated log-probs and must be
+# accepted (log-prob spot checks are tested in test_net_spot_check.py)
 CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 4, "group_size": 2, "staleness": 0, "eval_every": 100000,
-          "steps": 0}
+          "steps": 0, "spot_check_fraction": 0.0}
 
 
 def _cap(addr: str) -> Capability:
