@@ -83,29 +83,47 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return str(v)
 
 
+LEARNER_FIELDS = (
+    ("peer", "peer_id"), ("step", "step"), ("version", "version"), ("S", "staleness_bound"),
+    ("buffer", "buffer"), ("busy", "busy_fraction"), ("reward", "reward_mean"), ("eval", "eval_reward"),
+    ("required μ/s", "required_rollouts_per_s"), ("available μ/s", "available_rollouts_per_s"),
+    ("leases", "leases_active"), ("expired", "leases_expired"), ("signatures ok", "signatures_verified"),
+    ("invalid", "rollouts_rejected_invalid"), ("logprob lies", "rollouts_rejected_logprob"),
+    ("broadcast s", "broadcast_seconds"),
+)
+
+
 def render(status: dict[str, Any], clear: bool = False) -> None:
+    """Two tables that fit 80 columns: the learner as field/value pairs, one row per node."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     if clear:
         console.clear()
-    L = status["learner"]
-    lt = Table(title=f"learner of run {status['run_id']}")
-    for col in ("peer", "step", "version", "S", "buffer", "busy", "reward", "eval", "required μ/s", "available μ/s",
-                "leases", "expired", "sig ok", "invalid"):
-        lt.add_column(col)
-    lt.add_row(str(L.get("peer_id", ""))[-10:], _fmt(L.get("step")), _fmt(L.get("version")),
-               _fmt(L.get("staleness_bound")), _fmt(L.get("buffer")), _fmt(L.get("busy_fraction")),
-               _fmt(L.get("reward_mean")), _fmt(L.get("eval_reward")), _fmt(L.get("required_rollouts_per_s"), 1),
-               _fmt(L.get("available_rollouts_per_s"), 1), _fmt(L.get("leases_active")),
-               _fmt(L.get("leases_expired")), _fmt(L.get("signatures_verified")), _fmt(L.get("rollouts_rejected_invalid")))
+    learner = status["learner"]
+    cells = [(name, _short(learner.get(key)) if key == "peer_id" else _fmt(learner.get(key)))
+             for name, key in LEARNER_FIELDS if key in learner or key == "peer_id"]
+    lt = Table(title=f"learner of run {status['run_id']}", box=box.SIMPLE, show_header=False)
+    for _ in range(2):
+        lt.add_column(style="bold")
+        lt.add_column(justify="right")
+    half = (len(cells) + 1) // 2
+    for left, right in zip(cells[:half], cells[half:] + [("", "")]):
+        lt.add_row(*left, *right)
     console.print(lt)
-    pt = Table(title=f"nodes ({len(status['peers'])} joined, {len(status['dht_nodes'])} in the DHT)")
-    for col in ("peer", "device", "engine", "version", "tokens/s", "μ groups/s", "leases", "done", "last seen", "price/h", "alive"):
-        pt.add_column(col)
+    pt = Table(title=f"nodes ({len(status['peers'])} joined, {len(status['dht_nodes'])} in the DHT)", box=box.SIMPLE)
+    for col in ("peer", "device", "ver", "tok/s", "grp/s", "leases", "done", "seen", "$/h"):
+        pt.add_column(col, no_wrap=True, justify="left" if col in ("peer", "device") else "right")
     for p in status["peers"]:
-        pt.add_row(str(p["peer_id"])[-10:], str(p["device"]), str(p["engine"]), _fmt(p["version"]),
-                   _fmt(p["tokens_per_s"], 0), _fmt(p.get("rollouts_per_s")), _fmt(p["leases"]), _fmt(p["leases_done"]),
-                   f"{_fmt(p['last_seen_s'], 1)} s", _fmt(p["price_per_hour"]), "yes" if p.get("alive") else "no")
+        seen = f"{_fmt(p['last_seen_s'], 1)}s" if p.get("alive") else "dead"
+        pt.add_row(_short(p["peer_id"]), f"{p['engine']}/{p['device']}"[:14], _fmt(p["version"]),
+                   _fmt(p["tokens_per_s"], 0), _fmt(p.get("rollouts_per_s"), 1), _fmt(p["leases"]),
+                   _fmt(p["leases_done"]), seen, _fmt(p["price_per_hour"]))
     console.print(pt)
+
+
+def _short(peer_id: Any) -> str:
+    """The tail of a peer ID: the head is the same ``12D3KooW`` for every Ed25519 peer."""
+    return "…" + str(peer_id or "")[-8:]
