@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin the learner's peer ID (default: the bootstrap peer is the learner); "
                         "only manifests signed by this peer are accepted")
     p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the default model's seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the built-in model's seed")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (others relay weights to us through it)")
     p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8, help="most prompts asked for per lease")
     p.add_argument("--state-dir", dest="state_dir", default=None,

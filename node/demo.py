@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300, help="learner steps (one optimizer step = one policy version)")
     p.add_argument("--staleness", type=int, default=4, help="staleness bound S: a rollout of version b is used at step t iff t - b <= S")
     p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl", help="JSON line per learner step")
-    p.add_argument("--seed", type=int, default=0, help="seed of the default model, prompts and sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in model, prompts and sampling")
     p.add_argument("--workdir", default="", help="keys, logs and the address file (default: a temp dir)")
     p.add_argument("--publish-every", dest="publish_every", type=int, default=0,
                    help="publication period κ (default max(1, S-1))")
