@@ -80,6 +80,11 @@ class LearnerConfig:
     spot_check_tolerance_mean: float = 0.02
     spot_check_tolerance_max: float = 0.5
     spot_check_ban_after: int = 3  # mismatches before a peer is refused leases (0: never)
+    # DESIGN §7 cost-aware activation (node/activation.py): "all" leases work to every node;
+    # "cost" keeps the cheapest set (price per unit of measured throughput) that meets the
+    # required throughput × (1 + margin + observed loss rate) active and parks the rest as standby
+    activation: str = "all"
+    activation_margin: float = 0.25
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> "LearnerConfig":
@@ -100,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", type=int, help="staleness bound S")
     p.add_argument("--metrics-out", dest="metrics_out", help="JSON-lines metrics file")
     p.add_argument("--addr-file", dest="addr_file", help="write the bootstrap multiaddr here")
-    p.add_argument("--seed", type=int, help="seed of the default model, prompts and sampling")
+    p.add_argument("--seed", type=int, help="seed of the built-in model, prompts and sampling")
     p.add_argument("--model", help="Hugging Face model directory (default: the tiny demo model)")
     p.add_argument("--lease-timeout", dest="lease_timeout_s", type=float, help="seconds before an unanswered lease expires and its prompts are re-queued")
     p.add_argument("--eval-every", dest="eval_every", type=int, help="held-out evaluation period in steps")
@@ -118,14 +123,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of submissions whose behaviour log-probs are recomputed with the claimed "
                         "version's snapshot; a mismatch refuses the submission and flags the peer, whose "
                         "submissions are then all checked (0: off; default 0.1)")
+    p.add_argument("--activation", choices=("all", "cost"),
+                   help="which nodes get leases: 'all' (default) every joined node; 'cost' only the cheapest set "
+                        "(ascending price per unit of measured throughput) that meets the required throughput with "
+                        "a margin (activation_margin, default 0.25, plus the observed node-loss rate); the rest are "
+                        "parked as standby (deferred, still receiving broadcasts)")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
     keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model",
             "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
-            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction")
+            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction", "activation")
     cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
+    if cfg.activation not in ("all", "cost"):
+        print(f"echorl learner: activation must be 'all' or 'cost', not {cfg.activation!r}", file=sys.stderr)
+        return 2
     if cfg.resume and not cfg.checkpoint_dir:
         print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
         return 2
@@ -151,10 +164,12 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     trainer.open_metrics()
     policy = LeasePolicy(staleness=cfg.staleness, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
                          prompts_per_lease=cfg.prompts_per_lease, lease_timeout_s=cfg.lease_timeout_s,
-                         liveness_after_s=cfg.liveness_after_s, sampling=trainer.sampling_spec())
+                         liveness_after_s=cfg.liveness_after_s, sampling=trainer.sampling_spec(),
+                         activation=cfg.activation, activation_margin=cfg.activation_margin)
     service = LearnerService(identity, cfg.run_id, trainer.task, trainer.tokenizer, trainer.buffer, policy,
                              trainer.vocab_size)
     service.version = service.published = trainer.grpo.version
+    service.required_fn = trainer.required_rollouts_per_s
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
     # the last S+1 published versions: every behaviour version still acceptable (t − b ≤ S) has
     # its snapshot at hand for spot checks (and for the nodes' fallback fetch)

@@ -18,12 +18,23 @@ peer (from then on all its submissions are checked) and answers ``logprob_mismat
 process: its leases are expired (prompts re-queued) and every later lease request is refused
 with ``logprob_mismatch``. Flags and bans are kept by peer ID across re-joins, not across a
 learner restart.
+
+Cost-aware activation (``policy.activation == "cost"``, DESIGN §7, ``node/activation.py``): every
+``activation_interval_s`` (in ``maintain``), and at once when an active node is found dead, the
+learner keeps the cheapest set of live nodes (ascending price per unit of measured throughput)
+whose Σμ meets the required throughput (``required_fn``, from the trainer's EMAs) × (1 + margin)
+active, the margin growing with the observed loss rate (parking a node that is active now needs
+an extra ``activation_hysteresis``, so the set does not flap); the rest are standby: their lease
+requests are answered ``lease_deferred`` / ``standby`` (they keep receiving broadcasts). With
+``"all"`` (default) every node is leased work, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +52,7 @@ from echorl.protocol.messages import (
 )
 
 from . import protocols
+from .activation import Activation, NodeOffer, choose_active, preemption_margin
 from .host import Host, PeerUnavailable, RequestContext
 from .leases import LeaseBook, LeaseRecord
 from .spot_check import SpotChecker
@@ -60,6 +72,11 @@ class LeasePolicy:
     heartbeat_s: float = 2.0
     sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
         temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
+    activation: str = "all"  # "all": every node is leased work; "cost": cheapest sufficient set (DESIGN §7)
+    activation_margin: float = 0.25  # base margin over the required throughput (plus the observed loss rate)
+    activation_interval_s: float = 2.0  # re-decide this often; also the standby nodes' retry_after_s
+    activation_loss_window_s: float = 300.0  # node losses counted for the preemption margin
+    activation_hysteresis: float = 0.25  # extra margin a decision must meet to park a currently active node
 
     @property
     def version_lag(self) -> int:
@@ -135,6 +152,12 @@ class LearnerService:
                               "peers_flagged": 0, "peers_banned": 0})
         self.spot_check_seconds = 0.0
         self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
+        # cost-aware activation: the current decision (None: everyone active), the required Σμ
+        # (set by the learner from the trainer's EMAs; None: unbounded or unknown) and recent losses
+        self.activation: Activation | None = None
+        self.required_fn: Callable[[], float | None] = lambda: None
+        self.losses: deque[tuple[float, str]] = deque()  # (monotonic time, peer id) of liveness expiries
+        self._last_decision = 0.0
 
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
@@ -189,6 +212,8 @@ class LearnerService:
         pol = self.policy
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
+        if self.is_standby(ctx.peer_id):
+            return self._deferred("standby", retry_after_s=pol.activation_interval_s)
         min_version = pol.min_version(self.version)
         if msg.version < min_version:
             return self._deferred("weights_too_old", want_version=min_version)
@@ -350,6 +375,7 @@ class LearnerService:
                    "spot_check_seconds": round(self.spot_check_seconds, 4),
                    "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
         learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
+        learner.update(self.activation_metrics())
         peers = []
         for p in self.peers.values():
             c = p.capability
@@ -358,7 +384,8 @@ class LearnerService:
                           "leases": len(self.book.held_by(p.peer_id)), "leases_done": p.leases_done,
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
-                          "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id)})
+                          "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
+                          "standby": self.is_standby(p.peer_id)})
         return Status(run_id=self.run_id, learner=learner, peers=peers)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
@@ -368,6 +395,58 @@ class LearnerService:
         return [NodeInfo(p.peer_id, bool(p.capability.reachable), tuple(p.capability.listen_addrs))
                 for p in self.active_peers(window_s)]
 
+    # --- cost-aware activation (DESIGN §7) ---------------------------------------------------
+    def is_standby(self, peer_id: str) -> bool:
+        """True if the current decision parks this peer (only with ``activation == "cost"``)."""
+        return self.policy.activation == "cost" and self.activation is not None and peer_id in self.activation.standby
+
+    def activation_metrics(self) -> dict[str, Any]:
+        """``activation``, ``nodes_standby`` and ``activation_target_per_s`` for metrics/status."""
+        act = self.activation if self.policy.activation == "cost" else None
+        return {"activation": self.policy.activation, "nodes_standby": len(act.standby) if act else 0,
+                "activation_target_per_s": act.target_per_s if act else None}
+
+    def reactivate(self, now: float | None = None) -> Activation | None:
+        """Re-make the activation decision from the live peers' prices and measured throughput
+        and the current required throughput; a no-op (None) unless ``activation == "cost"``."""
+        pol = self.policy
+        if pol.activation != "cost":
+            return None
+        now = time.monotonic() if now is None else now
+        while self.losses and now - self.losses[0][0] > pol.activation_loss_window_s:
+            self.losses.popleft()
+        live = self.active_peers()
+        offers = [NodeOffer(p.peer_id, float(p.capability.price_per_hour), p.rollouts_per_s, p.rollouts_per_s > 0)
+                  for p in live]
+        seen = {p.peer_id for p in self.active_peers(pol.activation_loss_window_s)} | {pid for _, pid in self.losses}
+        margin = preemption_margin(len(self.losses), len(seen), pol.activation_margin)
+        try:
+            required = self.required_fn()
+        except Exception:  # a broken estimate must not stop the learner: everyone works
+            log.exception("required throughput unavailable; all nodes active")
+            required = None
+        before = self.activation
+        decision = choose_active(offers, required, margin)
+        if before is not None and decision.standby & before.active:
+            # hysteresis: park an active node only if the cheaper set also meets a larger target,
+            # so a requirement hovering around one node's throughput does not flap the set
+            # (a larger target picks a longer prefix of the same order: a superset of active nodes)
+            decision = choose_active(offers, required, margin + pol.activation_hysteresis)
+        self.activation = decision
+        self._last_decision = now
+        changed = bool(offers) if before is None else (before.active, before.standby) != (decision.active, decision.standby)
+        if changed:
+            log.info("activation: %d active, %d standby (target %s/s, margin %.2f)", len(self.activation.active),
+                     len(self.activation.standby),
+                     "-" if self.activation.target_per_s is None else f"{self.activation.target_per_s:.2f}", margin)
+        return self.activation
+
+    def _lost(self, peer_id: str) -> None:
+        """A peer failed its liveness probe: count the loss; re-decide at once if it was active."""
+        self.losses.append((time.monotonic(), peer_id))
+        if self.policy.activation == "cost" and not self.is_standby(peer_id):
+            self.reactivate()
+
     # --- maintenance --------------------------------------------------------------------------
     def active_peers(self, window_s: float = 30.0) -> list[PeerRecord]:
         now = time.monotonic()
@@ -375,8 +454,11 @@ class LearnerService:
 
     async def maintain(self, interval_s: float = 0.5) -> None:
         """Forever: expire overdue leases; ping quiet lease holders and expire a dead one's
-        leases at once (a SIGKILLed or frozen node is noticed in seconds, not at the deadline)."""
+        leases at once (a SIGKILLed or frozen node is noticed in seconds, not at the deadline);
+        with cost-aware activation, re-decide the active set every ``activation_interval_s``."""
         while True:
+            if self.policy.activation == "cost" and time.monotonic() - self._last_decision >= self.policy.activation_interval_s:
+                self.reactivate()
             for rec in self.book.expire_due(time.monotonic()):
                 log.info("lease %s of %s expired", rec.lease_id, rec.peer_id[:16])
                 self.buffer.requeue(rec.prompts)
@@ -400,3 +482,4 @@ class LearnerService:
                 self.buffer.requeue(rec.prompts)
             self.peers[peer_id].alive = False
             log.warning("peer %s unresponsive (%s): %d leases expired", peer_id[:16], exc, len(gone))
+            self._lost(peer_id)

@@ -62,6 +62,13 @@ class Trainer:
         cfg = self.cfg
         return max(1, min(cfg.publish_every or max(1, cfg.staleness - 1), max(1, cfg.staleness)))
 
+    def required_rollouts_per_s(self) -> float | None:
+        """The provisioning rule's required Σμ from the current EMAs; None while unknown (no
+        step trained yet) or unbounded. Handed to the service for cost-aware activation."""
+        if self.t_train_ema <= 0:
+            return None
+        return required_throughput(self.kappa, self.cfg.prompts_per_step, self.t_train_ema, self.t_bcast_ema)
+
     @classmethod
     def build(cls, cfg: "LearnerConfig") -> "Trainer":
         import torch
@@ -237,11 +244,13 @@ class Trainer:
             "per_node_rollouts_per_s": {p.peer_id[:12]: round(p.rollouts_per_s, 3) for p in active},
             "per_node_groups": {p.peer_id[:12]: p.groups_accepted for p in service.peers.values()},
             "per_node_version": {p.peer_id[:12]: p.version for p in service.peers.values()},
+            **service.activation_metrics(),
         }
 
     def _summary(self, service: "LearnerService", row: dict[str, Any]) -> dict[str, Any]:
         keep = ("step", "reward_mean", "staleness_max", "busy_fraction", "t_train_s", "t_bcast_s",
-                "required_rollouts_per_s", "available_rollouts_per_s", "nodes_active", "elapsed_s")
+                "required_rollouts_per_s", "available_rollouts_per_s", "nodes_active", "nodes_standby",
+                "activation", "activation_target_per_s", "elapsed_s")
         out = {k: row[k] for k in keep}
         out["eval_reward"] = self.last_eval
         out["steps_target"] = self.cfg.steps

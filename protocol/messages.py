@@ -115,7 +115,7 @@ class LeaseDeferred(Message):
 
     type: Literal["lease_deferred"] = "lease_deferred"
     run_id: RunId
-    reason: Literal["weights_too_old", "weights_unknown", "paced", "stopping"]
+    reason: Literal["weights_too_old", "weights_unknown", "paced", "stopping", "standby"]
     want_version: Version  # -1 unless the reason is about weights
     retry_after_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)]
 
