@@ -243,13 +243,7 @@ class LearnerService:
             self.counters["rollouts_rejected_invalid"] += 1
             raise
         self.counters["signatures_verified"] += 1
-        try:
-            self.book.check_nonce(msg.nonce)
-            rec = self.book.lookup(msg.lease_id, ctx.peer_id)
-        except ProtocolError as exc:
-            key = "submissions_rejected_replay" if exc.code == ErrorCode.REPLAY else "submissions_rejected_unknown_lease"
-            self.counters[key] += 1
-            raise
+        rec = self._open_lease(msg, ctx)
         peer = self._peer(ctx)
         try:
             groups = self._convert(msg, rec)
@@ -267,13 +261,7 @@ class LearnerService:
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
             # the check ran in a worker thread: the lease may have been settled meanwhile
             # (expired, returned, or a concurrent submission for it), so look again
-            try:
-                self.book.check_nonce(msg.nonce)
-                rec = self.book.lookup(msg.lease_id, ctx.peer_id)
-            except ProtocolError as exc:
-                key = "submissions_rejected_replay" if exc.code == ErrorCode.REPLAY else "submissions_rejected_unknown_lease"
-                self.counters[key] += 1
-                raise
+            rec = self._open_lease(msg, ctx)
         self.book.settle(rec.lease_id, "result", msg.nonce)
         accepted = sum(1 for g in groups if self.buffer.offer(g, self.version) == Verdict.ACCEPTED)
         self.counters["submissions_accepted"] += 1
@@ -285,6 +273,17 @@ class LearnerService:
         peer.version = max(peer.version, b)
         self.accepted.set()
         return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version)
+
+    def _open_lease(self, msg: Submit, ctx: RequestContext) -> LeaseRecord:
+        """The still-open lease this submission answers; refused (and counted) if the nonce was
+        seen or the lease is unknown, settled, expired or someone else's."""
+        try:
+            self.book.check_nonce(msg.nonce)
+            return self.book.lookup(msg.lease_id, ctx.peer_id)
+        except ProtocolError as exc:
+            key = "submissions_rejected_replay" if exc.code == ErrorCode.REPLAY else "submissions_rejected_unknown_lease"
+            self.counters[key] += 1
+            raise
 
     async def _spot_check(self, groups: list[ActorGroup], version: int, rec: LeaseRecord, nonce: bytes,
                           peer_id: str) -> None:

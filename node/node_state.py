@@ -33,6 +33,7 @@ from pathlib import Path
 
 import trio
 
+from echorl.learner.checkpoint import atomic_write_bytes
 from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import Manifest
@@ -74,29 +75,6 @@ def verify_snapshot(manifest: Manifest, data: bytes, learner_peer_id: str, run_i
 
 # --- files -----------------------------------------------------------------------------------
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a
-    part: a temporary file in the same folder, fsync, ``os.replace``, fsync of the folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
 def _versions_on_disk(state_dir: Path) -> dict[int, set[str]]:
     """version -> {"safetensors", "manifest"} for the snapshot files present."""
     out: dict[int, set[str]] = {}
@@ -130,8 +108,8 @@ def write_snapshot(state_dir: Path, snap: Snapshot, learner_peer_id: str, run_id
     verify_snapshot(snap.manifest, snap.data, learner_peer_id, run_id)
     state_dir.mkdir(parents=True, exist_ok=True)
     weights_path, manifest_path = _paths(state_dir, snap.version)
-    atomic_write(weights_path, snap.data)
-    atomic_write(manifest_path, wire.encode(snap.manifest))
+    atomic_write_bytes(weights_path, snap.data)
+    atomic_write_bytes(manifest_path, wire.encode(snap.manifest))
     for version in _versions_on_disk(state_dir):
         if version != snap.version:
             _remove(state_dir, version)

@@ -10,7 +10,6 @@ import secrets
 import struct
 import time
 
-import pytest
 import trio
 from libp2p.peer.id import ID
 
@@ -24,7 +23,6 @@ from echorl.protocol.messages import (
     Submit, SubmitAccepted,
 )
 
-from swarm import Swarm
 
 # spot checks off: the one "genuine" submission here carries fabricated log-probs and must be
 # accepted (log-prob spot checks are tested in test_net_spot_check.py)
@@ -115,13 +113,6 @@ async def attack(addr: str) -> dict:
         out["accepted"] = (before["submissions_accepted"], after["submissions_accepted"])
         out["invalid"] = after["rollouts_rejected_invalid"] - before["rollouts_rejected_invalid"]
     return out
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    s.stop()
 
 
 def test_foreign_peer_attacks_are_refused(swarm, tmp_path):

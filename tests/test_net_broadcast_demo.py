@@ -10,16 +10,8 @@ import re
 import signal
 import socket
 
-import pytest
 
 from swarm import Swarm
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    s.stop()
 
 
 def _free_port() -> int:

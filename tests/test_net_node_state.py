@@ -131,13 +131,6 @@ def test_default_state_dir_is_per_key_and_run(tmp_path):
 
 # --- real processes ----------------------------------------------------------------------------
 
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    s.stop()
-
-
 def _steps(swarm: Swarm) -> list[dict]:
     return [r for r in swarm.metrics() if r.get("step", 0) > 0]
 
@@ -153,7 +146,7 @@ def test_restarted_node_starts_from_disk(swarm, tmp_path):
     log = tmp_path / "a.log"
     node = swarm.start_node("a")
     swarm.wait_for(lambda: len(_steps(swarm)) >= 4 and "kept snapshot v" in log.read_text(),
-                   what="4 steps and a snapshot on disk", timeout=90)
+                   what="4 steps and a snapshot on disk", timeout=150)
     first = _stop(node, log)
     kept = int(re.findall(r"kept snapshot v(\d+) on disk", first)[-1])  # the last: written at exit
     assert kept >= 1 and "resumed from on-disk snapshot" not in first
@@ -163,7 +156,7 @@ def test_restarted_node_starts_from_disk(swarm, tmp_path):
 
     node = swarm.start_node("a")  # same key, so the same state dir
     swarm.wait_for(lambda: max(_steps(swarm)[-1]["per_node_version"].values(), default=-1) > kept,
-                   what="a newer version at the restarted node", timeout=60)
+                   what="a newer version at the restarted node", timeout=120)
     second = _stop(node, log)
     assert f"resumed from on-disk snapshot v{kept}" in second
     assert re.search(rf"joined run echorl-demo at learner version \d+ \(S=2\) holding v{kept}\b", second)

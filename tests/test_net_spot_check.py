@@ -29,7 +29,6 @@ from echorl.protocol.messages import (
     StatusRequest, Submit,
 )
 
-from swarm import Swarm
 
 
 # --- in process -------------------------------------------------------------------------------
@@ -167,13 +166,6 @@ async def _status(addr: str) -> dict:
         peer = await host.connect(addr)
         reply = await host.request(peer, protocols.STATUS, StatusRequest(), expect=Status, timeout=20)
         return {"learner": dict(reply.learner), "peers": [dict(p) for p in reply.peers]}
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    s.stop()
 
 
 def test_forged_logprobs_refused_and_honest_node_trains(swarm, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 
-import pytest
 import trio
 
 from echorl.node import protocols
@@ -13,7 +12,6 @@ from echorl.node.host import open_host
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Status, StatusRequest
 
-from swarm import Swarm
 
 
 async def _learner_status(addr: str) -> dict:
@@ -25,13 +23,6 @@ async def _learner_status(addr: str) -> dict:
 
 def learner_status(addr: str) -> dict:
     return trio.run(_learner_status, addr)
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    s.stop()
 
 
 def test_two_nodes_train_and_status_lists_everyone(swarm):
