@@ -190,24 +190,15 @@ def ip_of(addrs: list[str] | tuple[str, ...]) -> str | None:
     return None
 
 
-class DirectSource:
-    """The child's end of a direct TCP chunk stream (ticket already sent)."""
+class DirectSource(_Libp2pSource):
+    """The child's end of a direct TCP chunk stream (ticket already sent): the same frames,
+    read through a ``TcpStreamAdapter``."""
 
     def __init__(self, stream: trio.abc.Stream, io_timeout: float) -> None:
-        self.adapter = TcpStreamAdapter(stream)
-        self.io_timeout = io_timeout
-
-    async def frames(self, first_byte_timeout: float) -> AsyncIterator[bytes]:
-        while True:
-            try:
-                body = await read_frame(self.adapter, max_bytes=MAX_CHUNK_FRAME,
-                                        first_byte_timeout=first_byte_timeout, io_timeout=self.io_timeout)
-            except CleanEnd:
-                return
-            yield body
+        super().__init__(TcpStreamAdapter(stream), io_timeout)
 
     async def aclose(self) -> None:
-        await self.adapter.reset()
+        await self.stream.reset()
 
 
 async def open_direct(ip: str, port: int, ticket: bytes, io_timeout: float) -> DirectSource:

@@ -85,3 +85,30 @@ class Swarm:
 
 def run_trio(fn, *args):
     return trio.run(fn, *args)
+
+
+def signed_submit(me, lease, version: int, signer=None, token_ids=(5, 6), logprobs=(-1.0, -2.0)):
+    """A ``Submit`` answering every prompt of ``lease`` with the same fabricated sample, named
+    after and signed by ``signer`` (default ``me``): the foreign peer of the attack tests."""
+    import secrets
+
+    from echorl.protocol import wire
+    from echorl.protocol.messages import RolloutGroup, Sample, Submit
+
+    sample = Sample(token_ids=list(token_ids), logprobs=list(logprobs), finish_reason="length", reward_hint=0.0)
+    groups = [RolloutGroup(prompt_id=p.prompt_id, samples=[sample] * lease.group_size) for p in lease.prompts]
+    signer = signer or me
+    msg = Submit(run_id="echorl-demo", lease_id=lease.lease_id, peer_id=signer.peer_id, behaviour_version=version,
+                 groups=groups, generate_seconds=0.1, nonce=secrets.token_bytes(16))
+    return wire.sign(msg, signer)
+
+
+async def remote_code(coro) -> str:
+    """The error code a request was refused with, or "ok"."""
+    from echorl.node.host import RemoteError
+
+    try:
+        await coro
+    except RemoteError as exc:
+        return exc.code.value
+    return "ok"

@@ -15,13 +15,14 @@ from libp2p.peer.id import ID
 
 from echorl.node import protocols
 from echorl.node.framing import read_frame
-from echorl.node.host import RemoteError, open_host
+from echorl.node.host import open_host
 from echorl.protocol import wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
-    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, RolloutGroup, Sample, Status, StatusRequest,
-    Submit, SubmitAccepted,
+    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest, SubmitAccepted,
 )
+
+from swarm import remote_code, signed_submit
 
 
 # spot checks off: the one "genuine" submission here carries fabricated log-probs and must be
@@ -33,24 +34,6 @@ CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 4, "group_size": 2, "stale
 def _cap(addr: str) -> Capability:
     return Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=1.0, price_per_hour=0.0,
                       reachable=True, listen_addrs=[addr])
-
-
-def _submit(me: Identity, lease: Lease, version: int, signer: Identity | None = None) -> Submit:
-    groups = [RolloutGroup(prompt_id=p.prompt_id, samples=[
-        Sample(token_ids=[5, 6], logprobs=[-1.0, -2.0], finish_reason="length", reward_hint=0.0)
-        for _ in range(lease.group_size)]) for p in lease.prompts]
-    signer = signer or me
-    msg = Submit(run_id="echorl-demo", lease_id=lease.lease_id, peer_id=signer.peer_id, behaviour_version=version,
-                 groups=groups, generate_seconds=0.1, nonce=secrets.token_bytes(16))
-    return wire.sign(msg, signer)
-
-
-async def _code(coro) -> str:
-    try:
-        await coro
-    except RemoteError as exc:
-        return exc.code.value
-    return "ok"
 
 
 async def _raw(host, peer: str, protocol: str, payload: bytes) -> str:
@@ -84,31 +67,31 @@ async def attack(addr: str) -> dict:
         join = JoinRequest(run_id="echorl-demo", peer_id=me.peer_id, capability=_cap(host.addrs[0]), version=-1,
                            timestamp=time.time(), nonce=secrets.token_bytes(16))
         old = join.model_copy(update={"timestamp": time.time() - 3600, "nonce": secrets.token_bytes(16)})
-        out["stale_join"] = await _code(req(protocols.JOIN, wire.sign(old, me)))
-        out["forged_join"] = await _code(req(protocols.JOIN, join.model_copy(update={"signature": b"\x01" * 64})))
+        out["stale_join"] = await remote_code(req(protocols.JOIN, wire.sign(old, me)))
+        out["forged_join"] = await remote_code(req(protocols.JOIN, join.model_copy(update={"signature": b"\x01" * 64})))
         signed_join = wire.sign(join, me)
         assert isinstance(await req(protocols.JOIN, signed_join, expect=JoinAccepted), JoinAccepted)
-        out["replayed_join"] = await _code(req(protocols.JOIN, signed_join))
+        out["replayed_join"] = await remote_code(req(protocols.JOIN, signed_join))
 
         lease = await _lease(host, learner, 0)
-        good = _submit(me, lease, 0)
+        good = signed_submit(me, lease, 0)
         before = (await status()).learner
-        out["forged"] = await _code(req(protocols.SUBMIT, good.model_copy(update={"signature": b"\x02" * 64})))
+        out["forged"] = await remote_code(req(protocols.SUBMIT, good.model_copy(update={"signature": b"\x02" * 64})))
         tampered = good.model_copy(update={"behaviour_version": 0, "generate_seconds": 9.0})
-        out["tampered"] = await _code(req(protocols.SUBMIT, tampered))
-        out["other_signer"] = await _code(req(protocols.SUBMIT, _submit(me, lease, 0, signer=other)))
+        out["tampered"] = await remote_code(req(protocols.SUBMIT, tampered))
+        out["other_signer"] = await remote_code(req(protocols.SUBMIT, signed_submit(me, lease, 0, signer=other)))
         mid = (await status()).learner
         out["accepted_unchanged_by_refusals"] = mid["submissions_accepted"] == before["submissions_accepted"]
         assert isinstance(await req(protocols.SUBMIT, good, expect=SubmitAccepted), SubmitAccepted)
-        out["replay"] = await _code(req(protocols.SUBMIT, good))
-        out["replay_new_nonce"] = await _code(req(protocols.SUBMIT, _submit(me, lease, 0)))
+        out["replay"] = await remote_code(req(protocols.SUBMIT, good))
+        out["replay_new_nonce"] = await remote_code(req(protocols.SUBMIT, signed_submit(me, lease, 0)))
         # the learner trains a step on our 4 groups (S=0), then a version-0 result is stale
         for _ in range(400):
             if (await status()).learner["version"] >= 1:
                 break
             await trio.sleep(0.05)
         lease2 = await _lease(host, learner, 1)
-        out["stale"] = await _code(req(protocols.SUBMIT, _submit(me, lease2, 0)))
+        out["stale"] = await remote_code(req(protocols.SUBMIT, signed_submit(me, lease2, 0)))
         after = (await status()).learner
         out["accepted"] = (before["submissions_accepted"], after["submissions_accepted"])
         out["invalid"] = after["rollouts_rejected_invalid"] - before["rollouts_rejected_invalid"]

@@ -21,14 +21,14 @@ import pytest
 import trio
 
 from echorl.node import protocols
-from echorl.node.host import RemoteError, open_host
+from echorl.node.host import open_host
 from echorl.protocol import wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
-    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, RolloutGroup, Sample, Status,
-    StatusRequest, Submit,
+    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest, Submit,
 )
 
+from swarm import remote_code, signed_submit
 
 
 # --- in process -------------------------------------------------------------------------------
@@ -121,20 +121,7 @@ CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 4, "group_size": 4, "stale
 
 
 def _forged(me: Identity, lease: Lease) -> Submit:
-    groups = [RolloutGroup(prompt_id=p.prompt_id, samples=[
-        Sample(token_ids=[5, 6, 7], logprobs=[-0.05, -0.1, -0.02], finish_reason="length", reward_hint=1.0)
-        for _ in range(lease.group_size)]) for p in lease.prompts]
-    msg = Submit(run_id="echorl-demo", lease_id=lease.lease_id, peer_id=me.peer_id, behaviour_version=0,
-                 groups=groups, generate_seconds=0.1, nonce=secrets.token_bytes(16))
-    return wire.sign(msg, me)
-
-
-async def _code(coro) -> str:
-    try:
-        await coro
-    except RemoteError as exc:
-        return exc.code.value
-    return "ok"
+    return signed_submit(me, lease, 0, token_ids=(5, 6, 7), logprobs=(-0.05, -0.1, -0.02))
 
 
 async def forge(addr: str) -> dict:
@@ -152,8 +139,8 @@ async def forge(addr: str) -> dict:
         for _ in range(3):
             lease = await host.request(learner, protocols.LEASE, lease_req, expect=(Lease, LeaseDeferred))
             assert isinstance(lease, Lease), lease
-            out["codes"].append(await _code(host.request(learner, protocols.SUBMIT, _forged(me, lease))))
-        out["lease_after_ban"] = await _code(host.request(learner, protocols.LEASE, lease_req))
+            out["codes"].append(await remote_code(host.request(learner, protocols.SUBMIT, _forged(me, lease))))
+        out["lease_after_ban"] = await remote_code(host.request(learner, protocols.LEASE, lease_req))
         st = await status()
         out["learner"] = dict(st.learner)
         out["me"] = next(dict(p) for p in st.peers if p["peer_id"] == me.peer_id)
