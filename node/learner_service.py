@@ -67,7 +67,7 @@ class LeasePolicy:
     prompts_per_step: int = 16
     prompts_per_lease: int = 8
     lease_timeout_s: float = 30.0
-    liveness_after_s: float = 3.0  # ping a lease holder not heard from for this long
+    liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
     ping_timeout_s: float = 3.0
     heartbeat_s: float = 2.0
     sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
@@ -452,8 +452,9 @@ class LearnerService:
         return [p for p in self.peers.values() if p.alive and now - p.last_seen < window_s]
 
     async def maintain(self, interval_s: float = 0.5) -> None:
-        """Forever: expire overdue leases; ping quiet lease holders and expire a dead one's
-        leases at once (a SIGKILLed or frozen node is noticed in seconds, not at the deadline);
+        """Forever: expire overdue leases; ping every live peer not heard from lately and, if it
+        does not answer, expire its leases at once and drop it from broadcast plans (a SIGKILLed
+        or frozen node is noticed in seconds, not at the lease deadline);
         with cost-aware activation, re-decide the active set every ``activation_interval_s``."""
         while True:
             if self.policy.activation == "cost" and time.monotonic() - self._last_decision >= self.policy.activation_interval_s:
@@ -462,8 +463,8 @@ class LearnerService:
                 log.info("lease %s of %s expired", rec.lease_id, rec.peer_id[:16])
                 self.buffer.requeue(rec.prompts)
             now = time.monotonic()
-            quiet = {r.peer_id for r in self.book.active.values()
-                     if now - self.peers[r.peer_id].last_seen > self.policy.liveness_after_s} if self.peers else set()
+            quiet = [pid for pid, p in self.peers.items()
+                     if p.alive and now - p.last_seen > self.policy.liveness_after_s]
             if quiet and self.host is not None:
                 async with trio.open_nursery() as nursery:
                     for pid in quiet:

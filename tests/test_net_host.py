@@ -67,10 +67,14 @@ def test_request_reply_and_stream_reuse_and_fast_connect():
 
 def test_connect_skips_happy_eyeballs_wait():
     async def main():
-        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
-            t = time.perf_counter()
-            await b.connect(a.addrs[0])
-            assert time.perf_counter() - t < 0.2  # py-libp2p's default waits a fixed 0.25 s
+        seconds = []
+        async with open_host(Identity.generate()) as a:
+            for _ in range(3):  # the fastest of three fresh dials: one CPU hiccup on a loaded CI box is not the wait
+                async with open_host(Identity.generate()) as b:
+                    t = time.perf_counter()
+                    await b.connect(a.addrs[0])
+                    seconds.append(time.perf_counter() - t)
+        assert min(seconds) < 0.2, seconds  # py-libp2p's default waits a fixed 0.25 s on every dial
     trio.run(main)
 
 

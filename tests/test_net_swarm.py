@@ -4,6 +4,7 @@ and its prompts are re-leased; nothing is counted twice; status lists everyone."
 from __future__ import annotations
 
 import signal
+import time
 
 import trio
 
@@ -53,8 +54,10 @@ def test_sigkill_mid_lease_expires_and_requeues(swarm):
     survivor_started = False
 
     def freeze_victim_holding_lease() -> bool:
-        # freeze first, then look: the node cannot finish its lease between the check and the kill
+        # freeze first, let the learner drain a submission already in its socket, then look:
+        # a frozen node cannot settle its lease between the check and the kill
         victim.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
         if any(p["leases"] > 0 for p in learner_status(addr)["peers"]):
             return True
         victim.send_signal(signal.SIGCONT)

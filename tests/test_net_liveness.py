@@ -1,0 +1,58 @@
+"""The learner's liveness sweep over real libp2p hosts: a quiet peer that answers pings stays in
+broadcast plans; one that is gone — holding a lease or idle — is marked dead within seconds, its
+leases are expired and re-queued, and it leaves the plans."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from echorl.learner.buffer import StalenessBuffer
+from echorl.node.host import open_host
+from echorl.node.learner_service import LearnerService, LeasePolicy, PeerRecord
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Capability
+
+
+def _record(peer_id: str, quiet_for_s: float) -> PeerRecord:
+    cap = Capability(engine="torch", device="cpu", memory_bytes=0, tokens_per_s=1.0, price_per_hour=0.0,
+                     reachable=True, listen_addrs=[])
+    then = time.monotonic() - quiet_for_s
+    return PeerRecord(peer_id, cap, then, then, version=0)
+
+
+def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
+    from echorl.tasks import load_task
+
+    async def main() -> None:
+        task = load_task("addition", digits=2, seed=0)
+        learner = Identity.generate()
+        svc = LearnerService(learner, "run-1", task, tokenizer=None, buffer=StalenessBuffer(4, scorer=task.reward),
+                             policy=LeasePolicy(liveness_after_s=0.5, ping_timeout_s=2.0), vocab_size=100)
+        async with open_host(learner) as host, open_host(Identity.generate()) as up:
+            svc.install(host)
+            await host.connect(up.addrs[0])
+            async with open_host(Identity.generate()) as idle_gone, open_host(Identity.generate()) as holder_gone:
+                await host.connect(idle_gone.addrs[0])
+                await host.connect(holder_gone.addrs[0])
+                gone = (idle_gone.peer_id, holder_gone.peer_id)
+            # both hosts are stopped now; the learner still has records for all three peers
+            for pid in (up.peer_id, *gone):
+                svc.peers[pid] = _record(pid, quiet_for_s=10.0)
+            prompts = svc.buffer.next_prompts(task, 4)
+            svc.book.issue(holder_gone.peer_id, prompts, 8, 0, time.monotonic(), timeout_s=600)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(svc.maintain, 0.1)
+                with trio.fail_after(20):
+                    while any(svc.peers[pid].alive for pid in gone):
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+            assert svc.peers[up.peer_id].alive
+            assert time.monotonic() - svc.peers[up.peer_id].last_seen < 5.0  # its ping refreshed it
+            assert [n.peer_id for n in svc.broadcast_nodes()] == [up.peer_id]
+            assert svc.book.expired == 1 and not svc.book.active  # the 600 s lease went at once
+            requeued = svc.buffer.next_prompts(task, 4)
+            assert sorted(p.prompt_id for p in requeued) == sorted(p.prompt_id for p in prompts)
+
+    trio.run(main)
