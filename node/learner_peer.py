@@ -177,6 +177,8 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     if cfg.spot_check_fraction > 0:
         service.spot = await _spot_checker(cfg, trainer, store)
         service.ban_after = cfg.spot_check_ban_after
+    service.restore(trainer.resume_extra.get("service", {}))
+    trainer.service_state = service.checkpoint_state
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
             service.install(host)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ class Trainer:
     first_eval: float | None = None
     resumed_from: int | None = None
     resume_extra: dict[str, Any] = field(default_factory=dict)
+    service_state: Callable[[], dict[str, Any]] = dict  # the network service's part of a checkpoint
     stopping: bool = False  # set on SIGTERM: the loop ends at the next step boundary
 
     @property
@@ -112,21 +114,21 @@ class Trainer:
         self.resume_extra = dict(ck.extra)
         return True
 
-    def save(self, cursor: int, pending: list[Any], trained: list[str]) -> str:
+    def save(self, cursor: int, pending: list[Any], trained: list[str], service_state: dict[str, Any]) -> str:
         """Atomic checkpoint at the current version; ``cursor`` and ``pending`` (every prompt
         not trained yet: buffered, re-queued and leased) taken at one instant on the loop.
         Runs in a worker thread, between steps."""
         from echorl.learner.checkpoint import save_checkpoint
 
         extra = {"run_id": self.cfg.run_id, "task": self.cfg.task, "seed": self.cfg.seed,
-                 "trained_prompt_ids": trained}
+                 "trained_prompt_ids": trained, "service": service_state}
         return str(save_checkpoint(self.cfg.checkpoint_dir, self.grpo, cursor, pending, extra=extra))
 
     async def checkpoint(self) -> None:
         t0 = time.perf_counter()
         pending = self.buffer.pending_prompts()  # leases issued while saving are after the cursor
         trained = list(self.trained_prompt_ids)[-TRAINED_IDS_KEPT:]
-        path = await trio.to_thread.run_sync(self.save, self.task.cursor, pending, trained)
+        path = await trio.to_thread.run_sync(self.save, self.task.cursor, pending, trained, self.service_state())
         log.info("checkpoint v%d (%d prompts pending) in %.2f s: %s", self.grpo.version, len(pending),
                  time.perf_counter() - t0, path)
 

@@ -15,6 +15,7 @@ import copy
 import json
 import random
 import secrets
+import signal
 import time
 
 import pytest
@@ -124,17 +125,21 @@ def _forged(me: Identity, lease: Lease) -> Submit:
     return signed_submit(me, lease, 0, token_ids=(5, 6, 7), logprobs=(-0.05, -0.1, -0.02))
 
 
-async def forge(addr: str) -> dict:
-    me = Identity.generate()
+async def _join(host, learner: str, me: Identity) -> None:
+    cap = Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=1.0, price_per_hour=0.0,
+                     reachable=True, listen_addrs=[host.addrs[0]])
+    join = JoinRequest(run_id="echorl-demo", peer_id=me.peer_id, capability=cap, version=0,
+                       timestamp=time.time(), nonce=secrets.token_bytes(16))
+    await host.request(learner, protocols.JOIN, wire.sign(join, me), expect=JoinAccepted)
+
+
+async def forge(addr: str, me: Identity | None = None) -> dict:
+    me = me or Identity.generate()
     out: dict = {"codes": []}
     async with open_host(me) as host:
         learner = await host.connect(addr)
         status = lambda: host.request(learner, protocols.STATUS, StatusRequest(), expect=Status)  # noqa: E731
-        cap = Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=1.0, price_per_hour=0.0,
-                         reachable=True, listen_addrs=[host.addrs[0]])
-        join = JoinRequest(run_id="echorl-demo", peer_id=me.peer_id, capability=cap, version=0,
-                           timestamp=time.time(), nonce=secrets.token_bytes(16))
-        await host.request(learner, protocols.JOIN, wire.sign(join, me), expect=JoinAccepted)
+        await _join(host, learner, me)
         lease_req = LeaseRequest(run_id="echorl-demo", version=0, max_prompts=4)
         for _ in range(3):
             lease = await host.request(learner, protocols.LEASE, lease_req, expect=(Lease, LeaseDeferred))
@@ -181,3 +186,30 @@ def test_forged_logprobs_refused_and_honest_node_trains(swarm, tmp_path):
     row = [r for r in swarm.metrics() if r.get("step", 0) >= 3][-1]
     assert row["rollouts_rejected_logprob"] == 3 and row["spot_checks"] >= 6 and row["peers_banned"] == 1
     assert swarm.learner.poll() is None
+
+
+async def rejoin_and_ask_lease(addr: str, me: Identity) -> tuple[str, dict]:
+    async with open_host(me) as host:
+        learner = await host.connect(addr)
+        await _join(host, learner, me)
+        code = await remote_code(host.request(learner, protocols.LEASE,
+                                              LeaseRequest(run_id="echorl-demo", version=0, max_prompts=4)))
+        st = await host.request(learner, protocols.STATUS, StatusRequest(), expect=Status)
+        return code, next(dict(p) for p in st.peers if p["peer_id"] == me.peer_id)
+
+
+def test_ban_survives_learner_restart(swarm, tmp_path):
+    cfg = tmp_path / "learner.json"
+    cfg.write_text(json.dumps(CONFIG))
+    ckpt = ["--config", str(cfg), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    me = Identity.generate()
+    out = trio.run(forge, swarm.start_learner(*ckpt, log="learner1.log"), me)
+    assert out["lease_after_ban"] == "logprob_mismatch" and out["me"]["banned"] is True
+    swarm.learner.send_signal(signal.SIGTERM)  # checkpoints on the way out
+    assert swarm.learner.wait(timeout=60) == 0
+
+    addr = swarm.start_learner(*ckpt, "--resume", log="learner2.log")
+    code, me_status = trio.run(rejoin_and_ask_lease, addr, me)
+    assert code == "logprob_mismatch"  # still banned by the restarted learner
+    assert me_status["banned"] is True and me_status["logprob_mismatches"] == 3
+    assert "restored spot-check flags of 1 peers (1 banned)" in swarm.learner_log.read_text()
