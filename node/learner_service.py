@@ -94,6 +94,16 @@ class LeasePolicy:
         period κ ≤ S − margin the last published version always qualifies."""
         return max(0, learner_version - self.staleness + self.version_lag)
 
+    def lease_seconds(self, n_prompts: int, groups_per_s: float, tokens_per_s: float) -> float:
+        """A lease's deadline: ``lease_timeout_s``, or 4× the node's expected time for it when
+        that is longer (measured group throughput, else its declared tokens/s at full length),
+        at most 20× ``lease_timeout_s``. A dead holder is found by the liveness sweep long before."""
+        if groups_per_s > 0:
+            expected = n_prompts / groups_per_s
+        else:
+            expected = n_prompts * self.group_size * self.sampling.max_new_tokens / max(tokens_per_s, 1e-3)
+        return min(max(self.lease_timeout_s, 4.0 * expected), 20.0 * self.lease_timeout_s)
+
     def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
         """Prompts a node at version b may be leased now. Groups are trained in arrival order,
         B per step, so a prompt with X prompts in flight before it (itself included) is trained
@@ -224,11 +234,12 @@ class LearnerService:
         if n <= 0:
             return self._deferred("paced", retry_after_s=0.05)
         prompts = self.buffer.next_prompts(self.task, n)
-        rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), pol.lease_timeout_s)
+        timeout_s = pol.lease_seconds(n, peer.rollouts_per_s, float(peer.capability.tokens_per_s))
+        rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
                      prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
                      group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
-                     deadline_s=pol.lease_timeout_s)
+                     deadline_s=timeout_s)
 
     def _deferred(self, reason: str, want_version: int = -1, retry_after_s: float = 0.0) -> LeaseDeferred:
         return LeaseDeferred(run_id=self.run_id, reason=reason, want_version=want_version, retry_after_s=retry_after_s)

@@ -38,3 +38,24 @@ def test_keygen_creates_then_reuses_key(tmp_path):
     assert first["peer_id"] == second["peer_id"] and first["peer_id"].startswith("12D3KooW")
     assert (key.stat().st_mode & 0o777) == 0o600
     assert echorl("keygen", "--key", str(tmp_path / "missing"), "--show", check=False).returncode == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "nope"], "unknown task 'nope'"),
+    (["--task", "math", "--task-option", "digits=3"], "unknown option(s) ['digits']"),
+    (["--task-option", "digits"], "must look like key=value"),
+    (["--model", "."], "is not a Hugging Face model directory"),
+    (["--config", "missing.json"], "No such file"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+])
+def test_learner_refuses_bad_config_before_starting(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "echorl.cli", "learner", *args, "--addr-file", "addr"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "addr").exists()  # nothing was started
+
+
+def test_learner_config_file_unknown_key(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"stepz": 3}))
+    result = echorl("learner", "--config", str(tmp_path / "c.json"), check=False)
+    assert result.returncode == 2 and "unknown learner config keys: ['stepz']" in result.stderr

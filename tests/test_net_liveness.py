@@ -56,3 +56,15 @@ def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
             assert sorted(p.prompt_id for p in requeued) == sorted(p.prompt_id for p in prompts)
 
     trio.run(main)
+
+
+def test_lease_deadline_scales_with_the_node_and_is_capped() -> None:
+    from echorl.protocol.messages import SamplingSpec
+
+    pol = LeasePolicy(group_size=8, lease_timeout_s=30.0,
+                      sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=256, stop=[]))
+    assert pol.lease_seconds(4, groups_per_s=10.0, tokens_per_s=1.0) == 30.0  # fast node: the floor
+    assert pol.lease_seconds(4, groups_per_s=0.1, tokens_per_s=1e6) == 160.0  # measured: 4 × 40 s
+    # not yet measured: declared 151 tok/s, 2 prompts × 8 samples × 256 tokens ≈ 27 s → 4 × that
+    assert pol.lease_seconds(2, groups_per_s=0.0, tokens_per_s=151.0) == 4 * 2 * 8 * 256 / 151.0
+    assert pol.lease_seconds(4, groups_per_s=0.0, tokens_per_s=0.0) == 600.0  # a claimed 0 tok/s: capped
