@@ -110,6 +110,9 @@ def test_trainer_matches_actor_logprobs_and_versions(tiny_model_dir):
     backend.load_state_dict(after, trainer.version)
     assert backend.version == 1 and ptrs == [p.data_ptr() for p in backend.model.parameters()]
     assert all(torch.equal(backend.model.state_dict()[k], after[k]) for k in after)
+    # the tied output matrix is not published twice, and the backend's stays tied to the embedding
+    assert "lm_head.weight" not in after
+    assert torch.equal(backend.model.get_output_embeddings().weight, after["model.embed_tokens.weight"])
 
 
 def test_lr_zero_and_equal_rewards_leave_weights(tiny_model_dir):
