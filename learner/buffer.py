@@ -95,8 +95,20 @@ class StalenessBuffer:
         """The acceptance rule ``0 <= current - behaviour <= S``."""
         return 0 <= current_version - behaviour_version <= self.staleness
 
-    def offer(self, group: RolloutGroup, current_version: int) -> Verdict:
-        """Accept or reject a returned group (see the module docstring)."""
+    def score(self, groups: list[RolloutGroup]) -> list[list[float] | None]:
+        """The verifier's rewards for each group's samples (None: prompt not outstanding, or no
+        scorer). Reads only; safe to run in a worker thread, so a slow verifier never blocks the
+        learner's event loop; pass the result to ``offer``."""
+        out: list[list[float] | None] = []
+        for group in groups:
+            prompt = self.outstanding.get(group.prompt_id)
+            out.append(None if prompt is None or self.scorer is None
+                       else [float(self.scorer(prompt, s.text)) for s in group.samples])
+        return out
+
+    def offer(self, group: RolloutGroup, current_version: int, rewards: list[float] | None = None) -> Verdict:
+        """Accept or reject a returned group (see the module docstring); ``rewards`` from
+        ``score`` if already computed, else the scorer runs here."""
         prompt = self.outstanding.get(group.prompt_id)
         if prompt is None:
             self.rollouts_rejected_unknown += 1
@@ -114,7 +126,9 @@ class StalenessBuffer:
             self.rollouts_rejected_stale += 1
             return Verdict.REJECTED_STALE
         del self.outstanding[group.prompt_id]
-        if self.scorer is not None:
+        if rewards is not None and len(rewards) == len(group.samples):
+            group.rewards = list(rewards)
+        elif self.scorer is not None:
             group.rewards = [float(self.scorer(prompt, s.text)) for s in group.samples]
         self._prompts[group.prompt_id] = prompt
         self._ready.append(group)

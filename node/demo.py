@@ -1,5 +1,5 @@
 """``echorl demo``: a learner and N node daemons as separate OS processes on 127.0.0.1, with the
-default tiny model and the addition task; every published version reaches the nodes through the
+default tiny model and the addition task (or ``--model DIR``, ``--task``); every published version reaches the nodes through the
 pipelined broadcast (deltas, a full snapshot every ``--full-every`` publications); live progress,
 a clean stop (also on Ctrl-C) and a summary. The supervisor only starts, watches and stops
 processes; all work is in the children."""
@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full snapshot every K publications, deltas between (default 10)")
     p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
                    help="upload cap of every process in Mbit/s (default: none)")
+    p.add_argument("--model", default="", help="local Hugging Face model directory for the learner and every node "
+                                                 "(default: the built-in tiny model)")
+    p.add_argument("--task", default="addition", help="built-in task name or module:Class")
+    p.add_argument("--task-option", dest="task_option", action="append", default=[], metavar="KEY=VALUE",
+                   help="task constructor option (repeatable)")
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -65,16 +70,26 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
             p.wait()
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the swarm like Ctrl-C: no orphaned learner or nodes
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGTERM, _interrupt)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="echorl-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     metrics = Path(args.metrics_out).resolve()
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    print(f"echorl demo: building the tiny model (cached after the first run); logs in {work}", flush=True)
-    from echorl.actor.model import build_default_model
+    if args.model:
+        model_dir = Path(args.model).resolve()
+        print(f"echorl demo: model {model_dir}; logs in {work}", flush=True)
+    else:
+        print(f"echorl demo: building the tiny model (cached after the first run); logs in {work}", flush=True)
+        from echorl.actor.model import build_default_model
 
-    model_dir = build_default_model(seed=args.seed)
+        model_dir = build_default_model(seed=args.seed)
+    task = ["--task", args.task, *(a for opt in args.task_option for a in ("--task-option", opt))]
     addr_file = work / "learner.addr"
     addr_file.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -84,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         learner = _spawn(["learner", "--steps", str(args.steps), "--staleness", str(args.staleness), "--seed",
                           str(args.seed), "--model", str(model_dir), "--metrics-out", str(metrics),
                           "--addr-file", str(addr_file), "--full-every", str(args.full_every),
-                          *(["--publish-every", str(args.publish_every)] if args.publish_every else []), *cap],
+                          *(["--publish-every", str(args.publish_every)] if args.publish_every else []), *cap, *task],
                          work / "learner.log")
         procs.append(learner)
         while not addr_file.exists():

@@ -270,11 +270,12 @@ class LearnerService:
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
-            # the check ran in a worker thread: the lease may have been settled meanwhile
-            # (expired, returned, or a concurrent submission for it), so look again
-            rec = self._open_lease(msg, ctx)
+        rewards = await trio.to_thread.run_sync(self.buffer.score, groups)  # the verifier: off the event loop
+        # the spot check and the verifier ran in worker threads: the lease may have been settled
+        # meanwhile (expired, returned, or a concurrent submission for it), so look again
+        rec = self._open_lease(msg, ctx)
         self.book.settle(rec.lease_id, "result", msg.nonce)
-        accepted = sum(1 for g in groups if self.buffer.offer(g, self.version) == Verdict.ACCEPTED)
+        accepted = sum(1 for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED)
         self.counters["submissions_accepted"] += 1
         self.counters["groups_received"] += len(groups)
         peer.leases_done += 1

@@ -81,10 +81,19 @@ def _clean(s: str) -> str:
     return s
 
 
+MAX_NUMBER_CHARS = 100  # longer answers are compared as text, never parsed into a number
+MAX_EXPONENT = 100  # 1e100000 would build a 100,000-digit integer: such answers are not numbers
+
+
 def parse_number(s: str) -> Fraction | None:
-    """Parse a cleaned-up answer string into an exact rational, or None if it is not a number."""
+    """Parse a cleaned-up answer string into an exact rational, or None if it is not a number.
+    Bounded work whatever the input (it comes from untrusted model output): at most
+    ``MAX_NUMBER_CHARS`` characters and exponents within ±``MAX_EXPONENT``."""
     s = _clean(s)
-    if not s:
+    if not s or len(s) > MAX_NUMBER_CHARS:
+        return None
+    exp = re.search(r"[eE]([-+]?\d+)$", s)
+    if exp and abs(int(exp.group(1))) > MAX_EXPONENT:
         return None
     m = re.fullmatch(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}", s) or re.fullmatch(
         r"(-?)\\frac(\d)(\d)", s

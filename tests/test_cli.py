@@ -59,3 +59,34 @@ def test_learner_config_file_unknown_key(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"stepz": 3}))
     result = echorl("learner", "--config", str(tmp_path / "c.json"), check=False)
     assert result.returncode == 2 and "unknown learner config keys: ['stepz']" in result.stderr
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_demo_sigterm_stops_learner_and_nodes(tmp_path):
+    import signal
+    import time
+
+    demo = subprocess.Popen([sys.executable, "-m", "echorl.cli", "demo", "--nodes", "1", "--steps", "500",
+                             "--workdir", str(tmp_path), "--metrics-out", str(tmp_path / "m.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "node0.log").exists():  # the learner is up and the node was started
+        assert demo.poll() is None and time.monotonic() < deadline, demo.stdout.read() if demo.stdout else ""
+        time.sleep(0.2)
+    assert len(_procs_mentioning(str(tmp_path))) >= 3  # demo, learner, node
+    demo.send_signal(signal.SIGTERM)
+    out, _ = demo.communicate(timeout=60)
+    assert demo.returncode == 130 and "interrupted: stopping the swarm" in out
+    assert _procs_mentioning(str(tmp_path)) == []  # nothing orphaned

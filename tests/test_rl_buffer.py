@@ -81,3 +81,15 @@ def test_take_rechecks_staleness_and_tracks_stats():
 def test_bad_staleness():
     with pytest.raises(ValueError):
         StalenessBuffer(-1)
+
+
+def test_score_outside_then_offer_uses_those_rewards():
+    task = load_task("addition")
+    buf = StalenessBuffer(2, scorer=task.reward)
+    ps = buf.next_prompts(task, 2)
+    groups = [_group(ps[0].prompt_id, 0), _group("never-leased", 0)]
+    rewards = buf.score(groups)  # what the learner runs in a worker thread
+    assert rewards == [[task.reward(ps[0], "2")] * 2, None]
+    groups[0].rewards = [9.0, 9.0]  # the actor's hint never counts
+    assert buf.offer(groups[0], 0, rewards[0]) is Verdict.ACCEPTED and groups[0].rewards == rewards[0]
+    assert buf.offer(groups[1], 0, rewards[1]) is Verdict.REJECTED_UNKNOWN

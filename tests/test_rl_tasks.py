@@ -149,3 +149,16 @@ def test_math_reward_end_to_end():
     assert math_reward("#### 6.00", "6") == 1.0
     assert math_reward("the answer is 7 not 6", "6") == 0.0
     assert math_reward("", "6") == 0.0
+
+
+@pytest.mark.parametrize("hostile", [
+    "1e999999999", "-2E+99999999", "\\frac{1e99999999}{3}", "7/1e99999999", "1" * 5000,
+    "1 " + "2" * 6000 + "/3", "answer is " + "9" * 100_000,
+])
+def test_hostile_answers_are_bounded_work(hostile):
+    import time
+
+    t = time.perf_counter()
+    assert math_reward(hostile, "6") == 0.0
+    assert answers_match(hostile, "1e999999999") is (hostile == "1e999999999")  # text compare only
+    assert time.perf_counter() - t < 5.0  # was: minutes building a 10^999999999 Fraction
