@@ -162,3 +162,19 @@ def test_hostile_answers_are_bounded_work(hostile):
     assert math_reward(hostile, "6") == 0.0
     assert answers_match(hostile, "1e999999999") is (hostile == "1e999999999")  # text compare only
     assert time.perf_counter() - t < 5.0  # was: minutes building a 10^999999999 Fraction
+
+
+def test_checker_fuzz_never_raises():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(["\\frac{", "}{", "}", "\\boxed{", "####", "answer is", "e", "E-", "/", " ", ",",
+                              ".", "-", "$", "%", "\\text{", "1", "9", "0", "12", "3/4", "1e5"])
+    texts = st.one_of(st.text(max_size=60), st.lists(pieces, max_size=25).map("".join))
+
+    @settings(max_examples=400, deadline=None)
+    @given(texts, st.sampled_from(["6", "0.5", "3/4", "-2", "x+1"]))
+    def check(text, gold):
+        assert math_reward(text, gold) in (0.0, 1.0)
+
+    check()
