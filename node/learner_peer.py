@@ -175,6 +175,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     """Run the learner until ``cfg.steps`` are done or SIGTERM/SIGINT."""
     from .learner_train import Trainer
     from .host import HostConfig, open_host
+    from .learner_resume import redial, restore_service, service_state
     from .learner_service import LearnerService, LeasePolicy
     from .transport import UploadLimiter
     from .weights import WeightStore
@@ -199,8 +200,8 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     if cfg.spot_check_fraction > 0:
         service.spot = await _spot_checker(cfg, trainer, store)
         service.ban_after = cfg.spot_check_ban_after
-    service.restore(trainer.resume_extra.get("service", {}))
-    trainer.service_state = service.checkpoint_state
+    remembered = restore_service(service, trainer.resume_extra.get("service", {}))
+    trainer.service_state = lambda: service_state(service)
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
             service.install(host)
@@ -209,6 +210,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                 publisher = await _start_publishing(cfg, host, identity, trainer, service, store, limiter, nursery)
                 membership = await _announce(cfg, host, nursery, task_status)
                 nursery.start_soon(service.maintain)
+                nursery.start_soon(redial, host, remembered)  # nodes that knew our old address
                 nursery.start_soon(_stop_on_signal, trainer, service, nursery.cancel_scope)
                 await trainer.loop(service, publisher, membership)
                 if not trainer.stopping:  # the final version reaches the nodes

@@ -17,7 +17,7 @@ peer (from then on all its submissions are checked) and answers ``logprob_mismat
 ``ban_after`` mismatches (default 3; 0: never) the peer is banned for the rest of the run: its
 leases are expired (prompts re-queued) and every later lease request is refused with
 ``logprob_mismatch``. Flags and bans are kept by peer ID across re-joins and, through the
-learner's checkpoint, across a learner restart with ``--resume``.
+learner's checkpoint (``node/learner_resume.py``), across a learner restart with ``--resume``.
 
 Cost-aware activation (``policy.activation == "cost"``, DESIGN §7, ``node/activation.py``): every
 ``activation_interval_s`` (in ``maintain``), and at once when an active node is found dead, the
@@ -336,28 +336,6 @@ class LearnerService:
 
     def banned(self, peer_id: str) -> bool:
         return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What of the service a checkpoint keeps: the spot-check mismatch counts, so a peer
-        flagged or banned before a learner restart is still flagged or banned after it."""
-        return {"logprob_mismatches": dict(self.mismatches)}
-
-    def restore(self, state: Any) -> None:
-        """Take back ``checkpoint_state``; entries of the wrong shape are skipped with a log line."""
-        table = state.get("logprob_mismatches", {}) if isinstance(state, dict) else state
-        if not isinstance(table, dict):
-            log.warning("checkpoint: ignoring logprob_mismatches of type %s", type(table).__name__)
-            return
-        for peer_id, n in table.items():
-            if not (isinstance(peer_id, str) and isinstance(n, int) and not isinstance(n, bool) and n > 0):
-                log.warning("checkpoint: ignoring mismatch entry %r: %r", peer_id, n)
-                continue
-            self.mismatches[peer_id] = n
-            if self.spot is not None:
-                self.spot.flag(peer_id)
-        if self.mismatches:
-            log.info("restored spot-check flags of %d peers (%d banned)", len(self.mismatches),
-                     sum(self.banned(p) for p in self.mismatches))
 
     def _settle_refused(self, rec: LeaseRecord, nonce: bytes, how: str) -> None:
         self.book.settle(rec.lease_id, how, nonce)

@@ -1,23 +1,15 @@
 """Real processes on loopback: versions reach the nodes through the pipelined broadcast (deltas
 and full snapshots) while training goes on; a learner stopped with SIGTERM checkpoints and a
 ``--resume`` continues the same run (same version numbers, first publication a full snapshot,
-no prompt trained twice) with the nodes that kept running."""
+no prompt trained twice) on a new address, with the nodes that kept running."""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
-import socket
-
 
 from swarm import Swarm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(swarm: Swarm) -> list[dict]:
@@ -53,8 +45,7 @@ def test_versions_arrive_by_broadcast_delta_and_full(swarm):
 
 def test_sigterm_checkpoints_and_resume_continues(swarm, tmp_path):
     ckpt = tmp_path / "ckpt"
-    common = ["--listen", f"/ip4/127.0.0.1/tcp/{_free_port()}", "--staleness", "2", "--eval-every", "1000",
-              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
+    common = ["--staleness", "2", "--eval-every", "1000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
     swarm.start_learner("--steps", "0", *common, log="learner1.log")
     swarm.start_node("a")
     swarm.start_node("b")
@@ -71,7 +62,10 @@ def test_sigterm_checkpoints_and_resume_continues(swarm, tmp_path):
     # nothing lost: every prompt handed out so far (cursor) is trained or pending (leased/buffered)
     assert {int(pid.rsplit(":", 1)[1]) for pid in pending | trained} == set(range(state["cursor"]))
 
-    swarm.start_learner("--steps", str(v1 + 8), "--resume", *common, log="learner2.log")
+    # resumed on another port: the nodes only know the old bootstrap address, so the learner
+    # dials the nodes its checkpoint remembers and they re-join over that connection
+    old_addr = swarm.addr
+    assert swarm.start_learner("--steps", str(v1 + 8), "--resume", *common, log="learner2.log") != old_addr
     swarm.wait_for(lambda: swarm.learner.poll() is not None, what="resumed learner to finish", timeout=120)
     assert swarm.learner.returncode == 0
     second = _steps(swarm)[len(first):]
@@ -79,5 +73,6 @@ def test_sigterm_checkpoints_and_resume_continues(swarm, tmp_path):
     assert second[-1]["prompts_trained_twice"] == 0  # across both runs (ids kept in the checkpoint)
     log2 = swarm.learner_log.read_text()
     assert f"resumed run echorl-demo at version {v1}" in log2
+    assert "re-dialled 2 of 2 nodes remembered by the checkpoint" in log2
     assert re.search(rf"broadcast v{v1} full", log2)  # the first publication after resume is full
     assert max(second[-1]["per_node_version"].values()) > v1  # the same nodes kept training

@@ -1,6 +1,7 @@
-"""The learner's liveness sweep over real libp2p hosts: a quiet peer that answers pings stays in
-broadcast plans; one that is gone — holding a lease or idle — is marked dead within seconds, its
-leases are expired and re-queued, and it leaves the plans."""
+"""The learner service's bookkeeping of peers: the liveness sweep over real libp2p hosts (a quiet
+peer that answers pings stays in broadcast plans; one that is gone — holding a lease or idle — is
+marked dead within seconds, its leases expired and re-queued); lease deadlines sized to the node;
+and what a checkpoint keeps of the service (bans, node addresses), bad entries skipped."""
 
 from __future__ import annotations
 
@@ -68,3 +69,33 @@ def test_lease_deadline_scales_with_the_node_and_is_capped() -> None:
     # not yet measured: declared 151 tok/s, 2 prompts × 8 samples × 256 tokens ≈ 27 s → 4 × that
     assert pol.lease_seconds(2, groups_per_s=0.0, tokens_per_s=151.0) == 4 * 2 * 8 * 256 / 151.0
     assert pol.lease_seconds(4, groups_per_s=0.0, tokens_per_s=0.0) == 600.0  # a claimed 0 tok/s: capped
+
+
+def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() -> None:
+    import json
+
+    from echorl.node.learner_resume import restore_service, service_state
+    from echorl.tasks import load_task
+
+    task = load_task("addition", digits=2, seed=0)
+
+    def service() -> LearnerService:
+        return LearnerService(Identity.generate(), "run-1", task, tokenizer=None,
+                              buffer=StalenessBuffer(4, scorer=task.reward), policy=LeasePolicy(), vocab_size=100)
+
+    old = service()
+    old.peers["fresh"] = _record("fresh", quiet_for_s=1.0)
+    old.peers["gone-long-ago"] = _record("gone-long-ago", quiet_for_s=3600.0)
+    old.peers["fresh"].capability = old.peers["fresh"].capability.model_copy(update={"listen_addrs": ["/ip4/10.0.0.1/tcp/4001"]})
+    old.mismatches = {"cheater": 3}
+    saved = json.loads(json.dumps(service_state(old)))  # what the checkpoint's state.json holds
+    new = service()
+    assert restore_service(new, saved) == {"fresh": ["/ip4/10.0.0.1/tcp/4001"]}
+    assert new.mismatches == {"cheater": 3} and new.banned("cheater")
+
+    bad = service()
+    state = {"logprob_mismatches": {"a": 2, "b": "x", "c": True, "d": -1}, "peer_addrs": {"p": ["/ip4/1.2.3.4/tcp/1"], "q": "x"}}
+    assert restore_service(bad, state) == {"p": ["/ip4/1.2.3.4/tcp/1"]} and bad.mismatches == {"a": 2}
+    for junk in ("garbage", None, {"logprob_mismatches": [1, 2], "peer_addrs": 7}):
+        fresh = service()
+        assert restore_service(fresh, junk) == {} and fresh.mismatches == {}
