@@ -78,7 +78,8 @@ class NodeWeights:
             self.keeper.discard()
             return
         if loaded:
-            await self.relay.adopt(snap.version, snap.data)  # the base of the next broadcast delta
+            # the base of the next broadcast delta, and (a full snapshot) served to peers catching up
+            await self.relay.adopt(snap.version, snap.data, snap.manifest)
             self.started_from = snap.version
             log.info("resumed from on-disk snapshot v%d (%s, %d bytes)", snap.version, snap.manifest.kind,
                      len(snap.data))

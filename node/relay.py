@@ -70,6 +70,20 @@ def rebuild_version(manifest: Manifest, payload: bytes, base: bytes | None) -> b
     return result
 
 
+def _payload_chunks(manifest: Manifest, payload: bytes) -> dict[bytes, bytes] | None:
+    """``payload`` cut into the manifest's chunks, each checked against its digest; None if
+    it does not match (then nothing is served from it)."""
+    chunks: dict[bytes, bytes] = {}
+    offset = 0
+    for ref in manifest.chunks:
+        piece = payload[offset:offset + ref.size]
+        if snapshot.digest(piece) != ref.digest:
+            return None
+        chunks[ref.digest] = piece
+        offset += ref.size
+    return chunks if offset == len(payload) else None
+
+
 class Relay:
     def __init__(self, host: Host, learner_peer_id: str, run_id: str, *,
                  on_version: VersionCallback | None = None,
@@ -294,13 +308,18 @@ class Relay:
         if inspect.isawaitable(out):
             await out
 
-    async def adopt(self, version: int, result: bytes) -> bool:
-        """Take a version obtained another way (the daemon's fallback fetch, already verified
-        against its signed manifest) as the base for the next deltas; True if newer."""
+    async def adopt(self, version: int, result: bytes, manifest: Manifest | None = None) -> bool:
+        """Take a version obtained another way (the daemon's fallback fetch or its on-disk
+        snapshot, already verified against its signed manifest) as the base for the next deltas;
+        True if newer. With its *full* manifest the version is also served to peers catching up."""
         async with self._apply_lock:
             if version <= self.version:
                 return False
             self.version, self.result = version, result
+            if manifest is not None and manifest.kind == "full" and manifest.version == version:
+                chunks = await trio.to_thread.run_sync(_payload_chunks, manifest, result)
+                if chunks is not None:
+                    self.server.hold(manifest, chunks)
             return True
 
     def reset(self, learner_peer_id: str) -> None:

@@ -89,3 +89,28 @@ def test_in_process_broadcast_full_and_delta(direct, shape):
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_adopted_full_snapshot_is_served_to_peers_catching_up():
+    """A version a node got outside the broadcast (its on-disk snapshot, the fallback fetch) is
+    served to peers catching up when its manifest is a full snapshot; a delta's is not."""
+    from echorl.protocol import delta, snapshot
+
+    learner = Identity.generate()  # signs manifests; no learner host runs: peers are the only source
+    old = safetensors_f32(np.arange(20_000, dtype=np.float32))
+    new = safetensors_f32(np.arange(20_000, dtype=np.float32) + 1)
+    full, _ = snapshot.build_manifest(learner, "r", 7, 6, new, new, chunk_bytes=16 * 1024)
+    as_delta, _ = snapshot.build_manifest(learner, "r", 7, 6, delta.encode_delta(old, new), new,
+                                          chunk_bytes=16 * 1024, kind="delta", base_version=6)
+
+    async def catch_up_from_holder(manifest) -> int:
+        async with open_host(Identity.generate()) as ha, open_host(Identity.generate()) as hb:
+            holder, late = Relay(ha, learner.peer_id, "r"), Relay(hb, learner.peer_id, "r")
+            holder.install()
+            late.install()
+            assert await holder.adopt(7, new, manifest)
+            await hb.connect(ha.addrs[0])
+            return await late.catch_up(sources=[ha.peer_id], timeout=20)
+
+    assert trio.run(catch_up_from_holder, full) == 7
+    assert trio.run(catch_up_from_holder, as_delta) == -1  # a delta needs its base: nothing served
