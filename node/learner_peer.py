@@ -110,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", help="built-in task name or module:Class (default: addition)")
     p.add_argument("--task-option", dest="task_option", action="append", metavar="KEY=VALUE",
                    help="task constructor option (repeatable; replaces the config file's task_options)")
-    p.add_argument("--lease-timeout", dest="lease_timeout_s", type=float, help="seconds before an unanswered lease expires and its prompts are re-queued")
+    p.add_argument("--lease-timeout", dest="lease_timeout_s", type=float, help="seconds before an unanswered lease expires and its prompts are re-queued; "
+                        "a slow node's leases get 4x its expected time (at most 20x this)")
     p.add_argument("--eval-every", dest="eval_every", type=int, help="held-out evaluation period in steps")
     p.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run the Kademlia DHT (nodes must bootstrap from the learner itself)")
     p.add_argument("--run-id", dest="run_id", help="identity of the run (kept across --resume)")

@@ -66,7 +66,7 @@ class LeasePolicy:
     group_size: int = 8
     prompts_per_step: int = 16
     prompts_per_lease: int = 8
-    lease_timeout_s: float = 30.0
+    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``lease_seconds``)
     liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
     ping_timeout_s: float = 3.0
     heartbeat_s: float = 2.0
