@@ -28,9 +28,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echorl.node.broadcast import Broadcaster, NodeInfo  # noqa: E402
-from echorl.node.host import HostConfig, open_host  # noqa: E402
-from echorl.node.transport import UploadLimiter  # noqa: E402
+from echorl.broadcast.broadcaster import Broadcaster, NodeInfo  # noqa: E402
+from echorl.net.host import HostConfig, open_host  # noqa: E402
+from echorl.net.transport import UploadLimiter  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
 from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
 
@@ -61,7 +61,7 @@ def spawn_peers(n: int, learner_addr: str, mbps: float, stall_s: float, extra: l
     procs = []
     for _ in range(n):
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "echorl.node.relay_process", "--learner", learner_addr, "--run-id", "bench",
+            [sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", learner_addr, "--run-id", "bench",
              "--upload-mbps", str(mbps), "--stall-s", str(stall_s), *(extra or [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True))
     return procs

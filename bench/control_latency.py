@@ -39,7 +39,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echorl.node.host import open_host  # noqa: E402
+from echorl.net.host import open_host  # noqa: E402
 from echorl.protocol import wire  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
 from echorl.protocol.messages import Lease, LeasePrompt, LeaseRequest, SamplingSpec  # noqa: E402

@@ -13,10 +13,10 @@ import sys
 
 # name -> (module implementing it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("echorl.node.demo", "start a learner and N node daemons on this machine and train"),
-    "learner": ("echorl.node.learner_peer", "start the learner peer (bootstrap of a run)"),
+    "demo": ("echorl.demo", "start a learner and N node daemons on this machine and train"),
+    "learner": ("echorl.learner.peer", "start the learner peer (bootstrap of a run)"),
     "node": ("echorl.node.daemon", "run a volunteer node daemon that generates rollouts"),
-    "status": ("echorl.node.status", "show peers, versions, throughput and staleness of a run"),
+    "status": ("echorl.status", "show peers, versions, throughput and staleness of a run"),
     "train-local": ("echorl.learner.local", "learner + actor workers in local processes, no network"),
     "keygen": ("echorl.keygen", "create (or show) a persistent Ed25519 peer key"),
     "import-gguf": ("echorl.actor.gguf_import", "turn a local GGUF model file into an HF model directory for --model"),

@@ -1,6 +1,6 @@
 """``echorl node``: the volunteer node daemon: join with a signed capability record, receive
 weights through the learner's broadcast (a relay that also forwards chunks to its plan children;
-``node/node_weights.py``), then lease → generate (in a worker thread) → submit signed rollouts,
+``node/versions.py``), then lease → generate (in a worker thread) → submit signed rollouts,
 forever. A node refused for old weights waits for the broadcast in flight, then catches up from
 peers, then fetches directly from the learner.
 
@@ -8,7 +8,7 @@ Reconnects with exponential backoff (plus jitter) when the learner is unreachabl
 SIGINT it returns the lease it holds (so its prompts are re-queued at once), writes its newest
 version to disk and exits 0.
 
-The newest verified version is kept in ``--state-dir`` (``node/node_state.py``); a restart with
+The newest verified version is kept in ``--state-dir`` (``node/state.py``); a restart with
 the same key starts from it, after verifying it against the pinned learner and the run.
 """
 
@@ -101,11 +101,11 @@ def _load_backend(args: argparse.Namespace) -> tuple[Any, float]:
 async def main(args: argparse.Namespace) -> None:
     from echorl.protocol.identity import load_or_create_identity
 
-    from .host import HostConfig, open_host
-    from .membership import Membership
-    from .node_state import SnapshotKeeper, default_state_dir
-    from .node_weights import NodeWeights
-    from .transport import UploadLimiter
+    from echorl.net.host import HostConfig, open_host
+    from echorl.net.membership import Membership
+    from echorl.node.state import SnapshotKeeper, default_state_dir
+    from echorl.node.versions import NodeWeights
+    from echorl.net.transport import UploadLimiter
 
     identity = load_or_create_identity(args.key)
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
@@ -148,13 +148,13 @@ async def _cancel_when(stop: trio.Event, scope: trio.CancelScope) -> None:
 async def _return_lease(host: Any, state: NodeState) -> None:
     from echorl.protocol.messages import LeaseReturn
 
-    from . import protocols
-    from .host import PeerUnavailable, RemoteError
+    from echorl.net import routes
+    from echorl.net.host import PeerUnavailable, RemoteError
 
     if not state.current_lease or not state.learner:
         return
     try:
-        await host.request(state.learner, protocols.RETURN,
+        await host.request(state.learner, routes.RETURN,
                            LeaseReturn(run_id=state.run_id, lease_ids=[state.current_lease]), timeout=5)
         log.info("returned lease %s", state.current_lease)
     except (PeerUnavailable, RemoteError) as exc:
@@ -163,7 +163,7 @@ async def _return_lease(host: Any, state: NodeState) -> None:
 
 async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, cap: Any,
                         nursery: trio.Nursery) -> None:
-    from .host import PeerUnavailable, RemoteError
+    from echorl.net.host import PeerUnavailable, RemoteError
 
     backoff = 0.5
     while True:
@@ -187,8 +187,8 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
     from echorl.protocol import wire
     from echorl.protocol.messages import JoinAccepted, JoinRequest
 
-    from . import protocols
-    from .membership import find_learner
+    from echorl.net import routes
+    from echorl.net.membership import find_learner
 
     weights = state.weights
     state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None),
@@ -196,7 +196,7 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
     await weights.attach(state.learner, nursery)
     join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=weights.version,
                                  timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
-    accepted = await host.request(state.learner, protocols.JOIN, join, expect=JoinAccepted)
+    accepted = await host.request(state.learner, routes.JOIN, join, expect=JoinAccepted)
     assert isinstance(accepted, JoinAccepted)
     log.info("joined run %s at learner version %d (S=%d) holding v%d", state.run_id, accepted.version,
              accepted.staleness_bound, weights.version)
@@ -225,10 +225,10 @@ async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) 
     first and asks again at once (or shortly, if nothing newer is to be had yet)."""
     from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
 
-    from . import protocols
+    from echorl.net import routes
 
     weights = state.weights
-    reply = await host.request(state.learner, protocols.LEASE,
+    reply = await host.request(state.learner, routes.LEASE,
                                LeaseRequest(run_id=state.run_id, version=weights.version,
                                             max_prompts=args.max_prompts), expect=(Lease, LeaseDeferred))
     if isinstance(reply, Lease):
@@ -252,7 +252,7 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     from echorl.protocol import wire
     from echorl.protocol.messages import RolloutGroup, Sample, Submit, SubmitAccepted
 
-    from . import protocols
+    from echorl.net import routes
 
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))
@@ -269,5 +269,5 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,
                     groups=wire_groups, generate_seconds=seconds, nonce=secrets.token_bytes(16))
     submit = await trio.to_thread.run_sync(wire.sign, submit, host.identity)
-    reply = await host.request(state.learner, protocols.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
+    reply = await host.request(state.learner, routes.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
     return reply

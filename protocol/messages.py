@@ -252,7 +252,7 @@ class Error(Message):
     detail: Text
 
 
-# --- broadcast (node/broadcast.py, node/relay.py) ---------------------------------------------
+# --- broadcast (broadcast/broadcaster.py, broadcast/relay.py) ---------------------------------------------
 class PlanMember(WireModel):
     peer_id: PeerId
     reachable: bool  # may be interior (others can dial it)

@@ -105,7 +105,7 @@ def signed_submit(me, lease, version: int, signer=None, token_ids=(5, 6), logpro
 
 async def remote_code(coro) -> str:
     """The error code a request was refused with, or "ok"."""
-    from echorl.node.host import RemoteError
+    from echorl.net.host import RemoteError
 
     try:
         await coro

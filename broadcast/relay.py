@@ -1,0 +1,404 @@
+"""Node side of the broadcast: receive a version's chunks from plan parents, verify each, forward
+at once to plan children (cut-through), apply the version when complete, recover, catch up.
+
+Contract (see also ``broadcast/broadcaster.py``)::
+
+    relay = Relay(host, learner_peer_id, run_id, on_version=cb,        # cb(version, bytes), sync or async
+                  upload_limit=UploadLimiter.from_mbps(mbps),          # or bytes/s, or None
+                  stall_s=10.0, direct=True)
+    relay.install()                                  # routes on the node's Host
+    nursery.start_soon(relay.run)                    # receive jobs + the direct TCP chunk port
+    await relay.catch_up()                           # late joiner / missed versions: newest full
+                                                     # snapshot + deltas from any holder
+    relay.version, relay.result                      # newest fully verified version and its bytes
+    relay.log                                        # per version: ok, seconds, recovered, suspects
+
+``on_version`` runs on the trio loop after the version is verified and reported to the learner:
+a sync callback must be quick (hand heavy work such as ``load_state_dict`` to a thread); an
+async one is awaited (the next version's relaying continues meanwhile, in other tasks). The
+newest verified snapshot is kept in memory (``relay.result``, plus its chunks for serving);
+on-disk persistence is not done here (the daemon may write ``relay.result`` itself).
+
+A version is used (``on_version``, ``relay.result``) only after the rebuilt safetensors file
+matched the signed manifest's result digest and every tensor digest. A parent that sends a bad
+chunk or stays silent for ``stall_s`` is reported to the learner (``BroadcastDone.suspects``)
+and the missing chunks of its stripe are fetched from other holders, the learner last.
+
+No torch here: a relay moves bytes (``python -m echorl.broadcast.relay_process`` runs one as a process, for
+benchmarks and tests; it prints JSON lines: ready, version, done).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from echorl.protocol import delta as delta_mod
+from echorl.protocol import snapshot, wire
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.messages import (
+    BroadcastAck, BroadcastDone, CatchUp, CatchUpRequest, Chunk, ChunkRequest, Manifest, Message,
+    PlanAnnounce, StreamTicket, Subscribe,
+)
+
+from echorl.broadcast.chunk_server import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET, ChunkServer, VersionState, _listen_ip
+from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
+from echorl.net.ratelimit import RateLimit
+from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
+
+log = logging.getLogger("echorl.broadcast.relay")
+
+VersionCallback = Callable[[int, bytes], Any]
+INLINE_HASH_BYTES = 512 * 1024  # chunks up to this size are hashed on the loop (< 0.5 ms)
+
+
+def rebuild_version(manifest: Manifest, payload: bytes, base: bytes | None) -> bytes:
+    """The version's safetensors file from a verified payload (a full file, or a delta applied
+    to ``base``), checked bit for bit against the manifest. Raises ``ProtocolError``."""
+    if manifest.kind == "full":
+        result = payload
+    elif base is None:
+        raise ProtocolError(ErrorCode.BAD_MANIFEST, f"delta v{manifest.version} needs its base version")
+    else:
+        result = delta_mod.apply_delta(base, payload)
+    snapshot.verify_result(manifest, result)
+    return result
+
+
+def _payload_chunks(manifest: Manifest, payload: bytes) -> dict[bytes, bytes] | None:
+    """``payload`` cut into the manifest's chunks, each checked against its digest; None if
+    it does not match (then nothing is served from it)."""
+    chunks: dict[bytes, bytes] = {}
+    offset = 0
+    for ref in manifest.chunks:
+        piece = payload[offset:offset + ref.size]
+        if snapshot.digest(piece) != ref.digest:
+            return None
+        chunks[ref.digest] = piece
+        offset += ref.size
+    return chunks if offset == len(payload) else None
+
+
+class Relay:
+    def __init__(self, host: Host, learner_peer_id: str, run_id: str, *,
+                 on_version: VersionCallback | None = None,
+                 upload_limit: UploadLimiter | float | None = None, stall_s: float = 10.0,
+                 version_timeout_s: float = 600.0, keep: int = 3, direct: bool = True) -> None:
+        self.host = host
+        self.learner = learner_peer_id
+        self.run_id = run_id
+        self.on_version = on_version
+        self.stall_s = stall_s
+        self.version_timeout_s = version_timeout_s
+        limiter = upload_limit if isinstance(upload_limit, UploadLimiter) else UploadLimiter(upload_limit)
+        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct)
+        self.direct = direct
+        self.direct_streams = 0
+        self.version = -1
+        self.result: bytes | None = None
+        self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[PlanAnnounce](16)
+        self._apply_lock = trio.Lock()
+        self.log: list[dict] = []  # one entry per version outcome
+
+    # --- wiring ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        self.server.install_serving()
+        self.host.route(ANNOUNCE, self._on_announce, request=PlanAnnounce, max_request_bytes=16 * 1024 * 1024,
+                        rate=RateLimit(20.0, 50.0))
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.direct:
+                await nursery.start(self.server.serve_direct, _listen_ip(self.host))
+            async for ann in self._jobs_recv:
+                nursery.start_soon(self._receive_guarded, ann)
+
+    async def _on_announce(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, PlanAnnounce)
+        if ctx.peer_id != self.learner:
+            raise ProtocolError(ErrorCode.WRONG_SIGNER, "announcements come from the learner")
+        if msg.run_id != self.run_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"run {msg.run_id!r} is not served here")
+
+        def check() -> None:
+            wire.verify(msg, expected_signer=self.learner)
+            snapshot.verify_manifest(msg.manifest, self.learner, self.run_id)
+            if msg.manifest.version != msg.version:
+                raise ProtocolError(ErrorCode.BAD_MANIFEST, "announce and manifest differ in version")
+
+        await trio.to_thread.run_sync(check)
+        # also versions we already hold (e.g. caught up): our plan children still need the chunks
+        if msg.version not in self.server.states:
+            state = VersionState(msg, self.host.peer_id)
+            if self.host.peer_id not in state.plan.peers:
+                raise ProtocolError(ErrorCode.NOT_FOUND, "not a member of this plan")
+            for m in msg.members:
+                if m.peer_id != self.host.peer_id:
+                    self.known_peers[m.peer_id] = tuple(m.addrs)
+                    if m.addrs:
+                        self.host.add_peer_addrs(m.peer_id, list(m.addrs))
+            if msg.learner_addrs:
+                self.host.add_peer_addrs(self.learner, list(msg.learner_addrs))
+            self.server.add_state(state)
+            try:
+                self._jobs_send.send_nowait(msg)
+            except trio.WouldBlock:
+                raise ProtocolError(ErrorCode.UNAVAILABLE, "too many versions in flight") from None
+        return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.version)
+
+    # --- receiving one version -------------------------------------------------------------------
+    async def _receive_guarded(self, ann: PlanAnnounce) -> None:
+        try:
+            await self._receive(ann)
+        except Exception as exc:  # noqa: BLE001 - one version failing must not kill the node
+            log.exception("version %d failed: %s", ann.version, exc)
+
+    async def _receive(self, ann: PlanAnnounce) -> None:
+        state = self.server.states.get(ann.version)
+        if state is None:
+            return
+        t0 = time.perf_counter()
+        suspects: set[str] = set()
+        recovered = [0]
+        ok, detail = False, ""
+        with trio.move_on_after(self.version_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for s in range(state.n_stripes):
+                    nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
+        new = False
+        if state.complete:
+            ok, detail, new = await self._apply(state.manifest, state.payload(), {ref.digest: state.get_by_digest(ref.digest) for ref in state.manifest.chunks})
+        else:
+            detail = f"{sum(d is None for d in state.data)} chunks missing at deadline"
+        seconds = time.perf_counter() - t0
+        state.done.set()
+        self.log.append({"version": ann.version, "ok": ok, "seconds": seconds, "recovered": recovered[0],
+                         "suspects": sorted(suspects), "detail": detail})
+        done = BroadcastDone(run_id=self.run_id, version=ann.version, ok=ok, seconds=seconds,
+                             recovered_chunks=recovered[0], suspects=sorted(suspects)[:64], detail=detail[:1000])
+        for _ in range(3):
+            try:
+                await self.host.request(self.learner, DONE, done, expect=BroadcastAck, timeout=10.0)
+                break
+            except (PeerUnavailable, RemoteError) as exc:
+                log.info("done report for v%d failed: %s", ann.version, exc)
+                await trio.sleep(0.5)
+        if new:  # also when a catch-up moved us forward but short of this version
+            await self._deliver()
+
+    async def _receive_stripe(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
+        parent = state.parents.get(s)
+        if parent is not None and not state.stripe_complete(s):
+            try:
+                await self._stream_from(parent, state, s)
+            except (PeerUnavailable, Truncated, trio.TooSlowError, ProtocolError, *STREAM_ERRORS) as exc:
+                log.info("v%d stripe %d: parent %s failed: %s: %s", state.version, s, parent[:16],
+                         type(exc).__name__, exc)
+                suspects.add(parent)
+        if not state.stripe_complete(s):
+            await self._recover(state, s, suspects, recovered)
+
+    async def _open_source(self, parent: str, state: VersionState, s: int) -> Any:
+        sub = Subscribe(run_id=self.run_id, version=state.version, stripe=s)
+        if self.direct:
+            ip = self.server.parent_ip(state, parent)
+            try:
+                if ip is None:
+                    raise PeerUnavailable("no IPv4 address for the parent")
+                ticket = await self.host.request(parent, TICKET, sub, expect=StreamTicket, timeout=10.0)
+                assert isinstance(ticket, StreamTicket)
+                source = await open_direct(ip, ticket.port, ticket.ticket, self.server.transport.io_timeout)
+                self.direct_streams += 1
+                return source
+            except (PeerUnavailable, RemoteError) as exc:
+                log.info("direct path to %s unavailable (%s): libp2p stream", parent[:16], exc)
+        return await self.server.transport.subscribe(parent, sub)
+
+    async def _stream_from(self, parent: str, state: VersionState, s: int) -> None:
+        source = await self._open_source(parent, state, s)
+        try:
+            async for body in source.frames(first_byte_timeout=self.stall_s):
+                msg = wire.decode(body, expect=Chunk)
+                assert isinstance(msg, Chunk)
+                if len(msg.data) <= INLINE_HASH_BYTES:
+                    state.verify(msg.digest, msg.data)  # ~0.1 ms: cheaper than a thread hop
+                else:
+                    await trio.to_thread.run_sync(state.verify, msg.digest, msg.data)
+                state.put(msg.digest, msg.data, body)
+                if state.stripe_complete(s):
+                    return
+            if not state.stripe_complete(s):
+                raise Truncated("parent ended the stream early")
+        finally:
+            await source.aclose()
+
+    async def _recover(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
+        """Pull the stripe's missing chunks from any holder: my other parents, then other
+        members, the learner last (it holds everything)."""
+        others = [p for p in dict.fromkeys(state.parents.values()) if p and p not in suspects and p != self.learner]
+        rest = [p for p in state.plan.peers if p not in suspects and p not in others and p != self.host.peer_id]
+        sources = others + rest[:4] + [self.learner]
+        missing = [i for i in state.stripe_indices(s) if not state.has(i)]
+        limiter = trio.CapacityLimiter(4)
+
+        async def fetch(i: int) -> None:
+            async with limiter:
+                d = state.manifest.chunks[i].digest
+                for attempt in range(1000):
+                    if state.has(i):
+                        return
+                    for src in sources:
+                        if src in suspects and src != self.learner:
+                            continue
+                        try:
+                            reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
+                                                            timeout=max(10.0, self.stall_s * 2))
+                        except (PeerUnavailable, RemoteError):
+                            continue
+                        assert isinstance(reply, Chunk)
+                        try:
+                            await trio.to_thread.run_sync(state.verify, d, reply.data)
+                        except ProtocolError:
+                            suspects.add(src)
+                            continue
+                        if state.put(d, reply.data):
+                            recovered[0] += 1
+                        return
+                    await trio.sleep(min(2.0, 0.2 * (attempt + 1)))
+
+        async with trio.open_nursery() as nursery:
+            for i in missing:
+                nursery.start_soon(fetch, i)
+
+    # --- applying -------------------------------------------------------------------------------
+    async def _apply(self, manifest: Manifest, payload: bytes,
+                     chunks: dict[bytes, bytes]) -> tuple[bool, str, bool]:
+        """Verify and apply a complete payload: (ok = we hold ``manifest.version`` or newer,
+        detail, new = ``self.version`` changed)."""
+        async with self._apply_lock:
+            if manifest.version <= self.version:
+                return True, "already held", False
+            before = self.version
+            if manifest.kind == "delta" and manifest.base_version != self.version:
+                # not at the base: relay the chunks (done) but catch up for ourselves; a holder
+                # may be one version behind this one, so apply the delta if we reached its base
+                await self._catch_up(None, 120.0)
+                if self.version >= manifest.version or manifest.base_version != self.version:
+                    return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
+            base = self.result
+
+            try:
+                result = await trio.to_thread.run_sync(rebuild_version, manifest, payload, base)
+            except ProtocolError as exc:
+                return False, f"verification failed: {exc}", self.version != before
+            self.version, self.result = manifest.version, result
+            self.server.hold(manifest, chunks)
+            return True, "", True
+
+    async def _deliver(self) -> None:
+        if self.on_version is None or self.result is None:
+            return
+        out = self.on_version(self.version, self.result)
+        if inspect.isawaitable(out):
+            await out
+
+    async def adopt(self, version: int, result: bytes, manifest: Manifest | None = None) -> bool:
+        """Take a version obtained another way (the daemon's fallback fetch or its on-disk
+        snapshot, already verified against its signed manifest) as the base for the next deltas;
+        True if newer. With its *full* manifest the version is also served to peers catching up."""
+        async with self._apply_lock:
+            if version <= self.version:
+                return False
+            self.version, self.result = version, result
+            if manifest is not None and manifest.kind == "full" and manifest.version == version:
+                chunks = await trio.to_thread.run_sync(_payload_chunks, manifest, result)
+                if chunks is not None:
+                    self.server.hold(manifest, chunks)
+            return True
+
+    def reset(self, learner_peer_id: str) -> None:
+        """Forget every version (the learner restarted from an older checkpoint, or changed)."""
+        self.learner = learner_peer_id
+        self.version, self.result = -1, None
+        self.server.chain = []
+        self.server.states.clear()
+        self.known_peers.clear()
+
+    # --- catch-up -------------------------------------------------------------------------------
+    async def catch_up(self, sources: list[str] | None = None, timeout: float = 300.0) -> int:
+        """Reach the newest version any holder has: its chain (newest full snapshot + deltas,
+        or only the deltas after our version), chunks fetched from any holder, each version
+        verified before use; ``on_version`` is called for the newest one reached. Returns the
+        version held afterwards."""
+        before = self.version
+        async with self._apply_lock:
+            await self._catch_up(sources, timeout)
+        if self.version != before:
+            await self._deliver()  # on_version for the newest version reached
+        return self.version
+
+    async def _catch_up(self, sources: list[str] | None, timeout: float) -> int:
+        candidates = list(sources or []) + [p for p in self.known_peers if p not in (sources or [])]
+        candidates = list(dict.fromkeys(candidates + [self.learner]))
+        with trio.move_on_after(timeout):
+            for src in candidates:
+                try:
+                    reply = await self.host.request(src, CATCHUP, CatchUpRequest(run_id=self.run_id,
+                                                                                 have_version=self.version),
+                                                    expect=CatchUp, timeout=15.0)
+                except (PeerUnavailable, RemoteError) as exc:
+                    log.info("catch-up from %s: %s", src[:16], exc)
+                    continue
+                assert isinstance(reply, CatchUp)
+                if not reply.manifests or reply.manifests[-1].version <= self.version:
+                    continue
+                if await self._follow_chain(reply.manifests, [src] + [c for c in candidates if c != src]):
+                    break
+        return self.version
+
+    async def _follow_chain(self, manifests: list[Manifest], holders: list[str]) -> bool:
+        for m in manifests:
+            try:
+                await trio.to_thread.run_sync(snapshot.verify_manifest, m, self.learner, self.run_id)
+            except ProtocolError as exc:
+                log.warning("catch-up manifest v%d refused: %s", m.version, exc)
+                return False
+        start = self.version
+        for m in manifests:
+            if m.version <= self.version:
+                continue
+            if m.kind == "delta" and m.base_version != self.version:
+                return False
+            assembler = snapshot.ChunkAssembler(m)
+            for d in assembler.missing():
+                data = self.server.find_chunk(d)
+                for src in holders if data is None else []:
+                    try:
+                        reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk, timeout=30.0)
+                        assert isinstance(reply, Chunk)
+                        await trio.to_thread.run_sync(assembler.check, d, reply.data)
+                        data = reply.data
+                        break
+                    except (PeerUnavailable, RemoteError, ProtocolError):
+                        continue
+                if data is None:
+                    return False
+                assembler.add(d, data)
+            chunks = {ref.digest: assembler.get(ref.digest) for ref in m.chunks}
+            payload = assembler.payload()
+            base = self.result
+
+            try:
+                result = await trio.to_thread.run_sync(rebuild_version, m, payload, base)
+            except ProtocolError as exc:
+                log.warning("catch-up v%d failed verification: %s", m.version, exc)
+                return False
+            self.version, self.result = m.version, result
+            self.server.hold(m, chunks)  # type: ignore[arg-type]
+        return self.version > start

@@ -1,0 +1,89 @@
+"""One broadcast relay peer as an OS process (benchmarks and tests): a libp2p host with a
+``Relay`` and no torch, printing one JSON event per line on stdout.
+
+    python -m echorl.broadcast.relay_process --learner MULTIADDR --run-id RUN [--tamper] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import trio
+
+from echorl.protocol import snapshot
+
+from echorl.net.host import PeerUnavailable
+from echorl.broadcast.relay import Relay
+from echorl.net.transport import UploadLimiter
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from echorl.protocol.identity import Identity
+
+    from echorl.net.host import HostConfig, open_host
+
+    learner_id = args.learner.rsplit("/p2p/", 1)[1]
+    identity = Identity.generate()
+    async with open_host(identity, HostConfig(listen=args.listen)) as host:
+        def on_version(version: int, data: bytes) -> None:
+            _emit({"event": "version", "version": version, "digest": snapshot.digest(data).hex(),
+                   "bytes": len(data), "t": time.time()})
+
+        relay = Relay(host, learner_id, args.run_id, on_version=on_version,
+                      upload_limit=UploadLimiter.from_mbps(args.upload_mbps), stall_s=args.stall_s,
+                      direct=not args.no_direct)
+        relay.server.tamper = args.tamper
+        relay.install()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay.run)
+            if args.catch_up:
+                sources = []
+                for addr in args.source:
+                    try:
+                        sources.append(await host.connect(addr))
+                    except PeerUnavailable:
+                        pass
+                await host.connect(args.learner)
+                # late joiner: from peers first; the learner only if none answers
+                await relay.catch_up(sources)
+            _emit({"event": "ready", "peer_id": host.peer_id, "addrs": host.addrs, "version": relay.version})
+            # exit when the parent closes our stdin
+            await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+            nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="run one broadcast relay peer (bench/tests)")
+    ap.add_argument("--learner", required=True, help="learner multiaddr /ip4/…/tcp/…/p2p/<id>")
+    ap.add_argument("--run-id", default="bench")
+    ap.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
+    ap.add_argument("--upload-mbps", type=float, default=0.0)
+    ap.add_argument("--stall-s", type=float, default=10.0)
+    ap.add_argument("--tamper", action="store_true", help="malicious: alter every chunk forwarded")
+    ap.add_argument("--catch-up", action="store_true")
+    ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only")
+    ap.add_argument("--source", action="append", default=[], help="peer multiaddr to catch up from")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    profile = os.environ.get("ECHORL_RELAY_PROFILE")  # a directory: one cProfile dump per process
+    if profile:
+        import cProfile
+
+        cProfile.runctx("trio.run(_main, args)", globals(), {"trio": trio, "_main": _main, "args": args},
+                        os.path.join(profile, f"relay-{os.getpid()}.prof"))
+    else:
+        trio.run(_main, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The learner's publication task: broadcasts the newest trained version to the joined nodes
+while training goes on (DESIGN §6–7), and holds it for the direct-fetch fallback.
+
+The training loop only *offers* a version (a detached copy of the weights, every κ steps); this
+task, in the learner's nursery, publishes the newest offered version as soon as the previous
+broadcast is done. Versions offered meanwhile are skipped, so the next delta's base is the last
+*published* version (the ``Broadcaster`` deltas against its own previous ``publish``). Training
+never waits for a broadcast; nodes that fall behind are paced by the lease policy and catch up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from echorl.protocol import snapshot
+
+if TYPE_CHECKING:
+    from echorl.broadcast.broadcaster import Broadcaster
+    from echorl.learner.service import LearnerService
+    from echorl.broadcast.weight_store import WeightStore
+
+log = logging.getLogger("echorl.node.learner")
+
+
+@dataclass
+class BroadcastRecord:
+    """One completed publication, as the metrics report it."""
+
+    version: int
+    kind: str  # "full" | "delta"
+    seconds: float  # announce → last node verified (BroadcastReport.seconds)
+    build_seconds: float  # delta encoding + hashing + signing
+    serialize_seconds: float  # state dict → safetensors + the fallback store's manifest
+    bytes: int  # payload bytes sent (delta or full)
+    result_bytes: int  # the version's safetensors size
+    nodes: int
+    completed: int
+    missing: int
+
+    @property
+    def t_bcast(self) -> float:
+        """Dissemination latency of the capacity model: offer → every node verified."""
+        return self.serialize_seconds + self.build_seconds + self.seconds
+
+    def metrics(self) -> dict[str, Any]:
+        return {"broadcast_seconds": self.seconds, "broadcast_version": self.version,
+                "broadcast_kind": self.kind, "broadcast_bytes": self.bytes,
+                "broadcast_result_bytes": self.result_bytes, "broadcast_build_seconds": self.build_seconds,
+                "broadcast_nodes": self.nodes, "broadcast_completed": self.completed,
+                "broadcast_missing": self.missing}
+
+
+class Publisher:
+    def __init__(self, broadcaster: "Broadcaster", store: "WeightStore", service: "LearnerService", *,
+                 timeout_s: float = 120.0, on_record: Callable[[BroadcastRecord], None] | None = None) -> None:
+        self.bc = broadcaster
+        self.store = store
+        self.service = service
+        self.timeout_s = timeout_s
+        self.on_record = on_record
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._wake = trio.Event()
+        self._idle = trio.Event()
+        self._idle.set()
+        self.offered = -1
+        self.last: BroadcastRecord | None = None  # newest completed broadcast
+        self.records: list[BroadcastRecord] = []
+        self.skipped = 0
+
+    def offer(self, version: int, state_dict: dict[str, Any]) -> None:
+        """Hand the newest trained version over (never blocks); replaces an unpublished one."""
+        if self._pending is not None:
+            self.skipped += 1
+        self._pending = (version, state_dict)
+        self.offered = version
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._wake.set()
+
+    async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Forever: publish the newest offered version, one broadcast at a time."""
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._pending is not None:
+                version, state = self._pending
+                self._pending = None
+                try:
+                    await self.publish(version, state)
+                except Exception:  # noqa: BLE001 - a failed publication must not stop training
+                    log.exception("publishing v%d failed; the next version will be published", version)
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until every offered version is published (or ``timeout``); True if done."""
+        with trio.move_on_after(timeout):
+            await self._idle.wait()
+        return self._idle.is_set()
+
+    async def publish(self, version: int, state_dict: dict[str, Any]) -> BroadcastRecord:
+        """Serialise, hold for the fallback fetch, broadcast to the joined nodes, record."""
+        t0 = time.perf_counter()
+        data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
+        await self.store.publish_bytes(version, data)
+        serialize_s = time.perf_counter() - t0
+        self.service.published = max(self.service.published, version)
+        report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
+        rec = BroadcastRecord(version, report.kind, report.seconds, report.build_seconds, serialize_s,
+                              report.bytes, report.result_bytes, report.nodes, len(report.completed),
+                              len(report.missing))
+        self.last = rec
+        self.records.append(rec)
+        del self.records[:-4096]
+        log.info("broadcast v%d %s: %d/%d nodes in %.3f s (%d B of %d; build %.3f s)", version, rec.kind,
+                 rec.completed, rec.nodes, rec.seconds, rec.bytes, rec.result_bytes, rec.build_seconds)
+        if self.on_record is not None:
+            self.on_record(rec)
+        return rec

@@ -1,0 +1,403 @@
+"""The libp2p host wrapper every echorl peer uses: robust request/response over py-libp2p 0.8.1.
+
+* ``route(protocol, handler, ...)`` serves ``/echorl/<name>/1``: framed msgpack requests, one
+  reply each, several requests per stream. A handler that raises never takes the host down: the
+  error is logged, the peer gets ``Error(internal)`` and the stream is closed. ``ProtocolError``
+  from a handler becomes ``Error(code)``. Per-peer token-bucket rate limits, per-route request
+  size caps, a per-peer cap on concurrent streams, and deadlines on every read, write and handler.
+* ``request(peer, protocol, msg)`` reuses pooled streams (a reused stream costs ~2 ms, a new one
+  ~8 ms), retries once on a fresh stream when a pooled one turns out dead, and raises
+  ``RemoteError`` for an ``Error`` reply, ``PeerUnavailable`` for network failures and timeouts.
+* Dialing: ``max_connections_per_peer=1`` ends py-libp2p's fixed 0.25 s happy-eyeballs wait as
+  soon as the first dial succeeds; connections are reused by the swarm.
+* ``ping(peer)``: liveness probe with a deadline (a frozen peer raises no error by itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.host.ping import perform_ping_roundtrip
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from echorl.protocol import limits, wire
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Error, Message
+
+from echorl.net.framing import (
+    STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
+    read_frame, reset_quietly, write_message,
+)
+from echorl.net.ratelimit import RateLimit, TokenBuckets
+
+log = logging.getLogger("echorl.net.host")
+
+Handler = Callable[[Message, "RequestContext"], Awaitable[Message]]
+
+
+class RemoteError(ProtocolError):
+    """The remote peer answered with ``Error(code, detail)``."""
+
+
+class PeerUnavailable(Exception):
+    """The peer could not be reached, reset the stream, died mid-reply or missed a deadline."""
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    io_timeout_s: float = 15.0  # one frame once its first byte arrived / one write
+    idle_timeout_s: float = 60.0  # a served stream waits this long for its next request
+    request_timeout_s: float = 30.0  # default deadline of request(): dial + write + reply
+    connect_timeout_s: float = 10.0
+    handler_timeout_s: float = 60.0  # default deadline of a handler
+    pool_idle_s: float = 20.0  # pooled client streams older than this are not reused
+    max_streams_per_peer: int = 16  # concurrent inbound streams per peer
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    peer_id: str  # the authenticated remote peer (the stream's muxed_conn.peer_id)
+    protocol: str
+    received_at: float
+
+
+@dataclass
+class Route:
+    protocol: str
+    handler: Handler
+    request_types: tuple[type[Message], ...]
+    max_request_bytes: int
+    rate: RateLimit | None
+    timeout_s: float
+    buckets: TokenBuckets | None = None
+
+
+@dataclass
+class HostStats:
+    served: int = 0
+    refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    handler_failures: int = 0
+    truncated: int = 0
+
+
+class Host:
+    """One echorl peer on libp2p. Create with :func:`open_host`."""
+
+    def __init__(self, identity: Identity, lp_host: Any, config: HostConfig) -> None:
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.libp2p = lp_host
+        self.config = config
+        self.stats = HostStats()
+        self._routes: dict[str, Route] = {}
+        self._pool: dict[tuple[str, str], list[tuple[Any, float]]] = defaultdict(list)
+        self._inbound: dict[str, int] = defaultdict(int)
+
+    # --- addresses and dialing ------------------------------------------------------------------
+    @property
+    def addrs(self) -> list[str]:
+        """Listen multiaddrs including ``/p2p/<peer id>`` (what others bootstrap from)."""
+        out = []
+        for addr in self.libp2p.get_addrs():
+            text = str(addr)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
+        return out
+
+    def add_peer_addrs(self, peer_id: str, addrs: list[str]) -> None:
+        maddrs = []
+        for a in addrs:
+            try:
+                maddrs.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
+            except Exception:  # noqa: BLE001 - a bad address from the network is ignored
+                log.debug("ignoring bad multiaddr %r", a)
+        if maddrs:
+            self.libp2p.get_peerstore().add_addrs(ID.from_base58(peer_id), maddrs, 0)
+
+    async def connect(self, addr: str, timeout: float | None = None) -> str:
+        """Dial a ``/ip4/…/tcp/…/p2p/<id>`` address; returns the peer ID. Raises PeerUnavailable."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"not a /p2p/ multiaddr: {addr!r} ({exc})") from None
+        cache = getattr(self.libp2p.get_network(), "_negative_peer_cache", None)
+        if cache is not None:  # an explicit (re)connect must not be refused for an earlier failure
+            cache.evict(str(info.peer_id))
+        try:
+            with trio.fail_after(timeout or self.config.connect_timeout_s):
+                await self.libp2p.connect(info)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"connect to {addr} timed out") from None
+        except Exception as exc:  # noqa: BLE001 - swarm raises many kinds
+            raise PeerUnavailable(f"connect to {addr}: {type(exc).__name__}: {exc}") from None
+        return str(info.peer_id)
+
+    def is_connected(self, peer_id: str) -> bool:
+        return bool(self.libp2p.get_network().get_connections(ID.from_base58(peer_id)))
+
+    async def disconnect(self, peer_id: str) -> None:
+        self._drop_pool(peer_id)
+        with trio.move_on_after(5.0):
+            try:
+                await self.libp2p.disconnect(ID.from_base58(peer_id))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def connected_peers(self) -> list[str]:
+        return [str(p) for p in self.libp2p.get_connected_peers()]
+
+    # --- serving --------------------------------------------------------------------------------
+    def route(
+        self,
+        protocol: str,
+        handler: Handler,
+        *,
+        request: type[Message] | tuple[type[Message], ...],
+        max_request_bytes: int = 64 * 1024,
+        rate: RateLimit | None = RateLimit(20.0, 40.0),
+        timeout_s: float | None = None,
+    ) -> None:
+        types = request if isinstance(request, tuple) else (request,)
+        r = Route(protocol, handler, types, min(max_request_bytes, limits.MAX_FRAME_BYTES), rate,
+                  timeout_s or self.config.handler_timeout_s, TokenBuckets(rate) if rate else None)
+        self._routes[protocol] = r
+
+        async def _entry(stream: Any) -> None:
+            await self._serve_stream(r, stream)
+
+        self.libp2p.set_stream_handler(TProtocol(protocol), _entry)
+
+    async def _serve_stream(self, route: Route, stream: Any) -> None:
+        """Entry point libp2p calls: nothing may escape it (an escaping error kills the host)."""
+        peer = "?"
+        try:
+            peer = str(stream.muxed_conn.peer_id)
+            if self._inbound[peer] >= self.config.max_streams_per_peer:
+                self._refused(ErrorCode.RATE_LIMITED)
+                await self._reply(stream, Error(code=ErrorCode.RATE_LIMITED.value, detail="too many streams"))
+                await reset_quietly(stream)
+                return
+            self._inbound[peer] += 1
+            try:
+                await self._serve_loop(route, stream, peer)
+            finally:
+                self._inbound[peer] -= 1
+                if self._inbound[peer] <= 0:
+                    self._inbound.pop(peer, None)
+        except Exception as exc:  # noqa: BLE001 - last line of defence
+            self.stats.handler_failures += 1
+            log.exception("stream %s from %s failed: %s", route.protocol, peer[:16], exc)
+            await reset_quietly(stream)
+
+    async def _serve_loop(self, route: Route, stream: Any, peer: str) -> None:
+        cfg = self.config
+        while True:
+            try:
+                body = await read_frame(stream, max_bytes=route.max_request_bytes,
+                                        first_byte_timeout=cfg.idle_timeout_s, io_timeout=cfg.io_timeout_s)
+            except CleanEnd:
+                await close_quietly(stream)
+                return
+            except IdleTimeout:  # a pooled stream nobody used for idle_timeout_s: closed, not an error
+                log.debug("%s from %s: idle stream closed", route.protocol, peer[:16])
+                await close_quietly(stream)
+                return
+            except (Truncated, trio.TooSlowError) as exc:
+                self.stats.truncated += 1
+                log.info("%s from %s: %s", route.protocol, peer[:16], type(exc).__name__)
+                await reset_quietly(stream)
+                return
+            except ProtocolError as exc:  # oversized or bad header: the stream cannot be resynced
+                self._refused(exc.code)
+                await self._reply(stream, error_message(exc))
+                await close_quietly(stream)
+                return
+            if route.buckets is not None and not route.buckets.take(peer):
+                self._refused(ErrorCode.RATE_LIMITED)
+                if not await self._reply(stream, Error(code=ErrorCode.RATE_LIMITED.value, detail=route.protocol)):
+                    return
+                continue
+            try:
+                msg = wire.decode(body)
+                if not isinstance(msg, route.request_types):
+                    raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type!r} not served on {route.protocol}")
+            except ProtocolError as exc:
+                self._refused(exc.code)
+                await self._reply(stream, error_message(exc))
+                await close_quietly(stream)
+                return
+            ctx = RequestContext(peer_id=peer, protocol=route.protocol, received_at=time.time())
+            try:
+                with trio.fail_after(route.timeout_s):
+                    reply = await route.handler(msg, ctx)
+            except ProtocolError as exc:
+                self._refused(exc.code)
+                reply = error_message(exc)
+            except trio.TooSlowError:
+                self.stats.handler_failures += 1
+                log.warning("handler %s for %s missed its %.0f s deadline", route.protocol, peer[:16], route.timeout_s)
+                await self._reply(stream, Error(code=ErrorCode.INTERNAL.value, detail="handler deadline"))
+                await close_quietly(stream)
+                return
+            except Exception as exc:  # noqa: BLE001 - a buggy handler must not kill the host
+                self.stats.handler_failures += 1
+                log.exception("handler %s failed for %s: %s", route.protocol, peer[:16], exc)
+                await self._reply(stream, Error(code=ErrorCode.INTERNAL.value, detail=type(exc).__name__))
+                await close_quietly(stream)
+                return
+            else:
+                self.stats.served += 1
+            if not await self._reply(stream, reply):
+                return
+
+    async def _reply(self, stream: Any, msg: Message) -> bool:
+        try:
+            await write_message(stream, msg, timeout=self.config.io_timeout_s)
+            return True
+        except ProtocolError as exc:  # our own reply is too large: a bug, answer with an error
+            log.error("reply not encodable: %s", exc)
+            return await self._reply(stream, error_message(ProtocolError(ErrorCode.INTERNAL, "reply too large")))
+        except (trio.TooSlowError, *STREAM_ERRORS):
+            await reset_quietly(stream)
+            return False
+
+    def _refused(self, code: ErrorCode) -> None:
+        self.stats.refused[code.value] += 1
+
+    # --- requesting -----------------------------------------------------------------------------
+    async def request(
+        self,
+        peer_id: str,
+        protocol: str,
+        msg: Message,
+        *,
+        expect: type[Message] | tuple[type[Message], ...] | None = None,
+        timeout: float | None = None,
+        max_reply_bytes: int = limits.MAX_FRAME_BYTES,
+    ) -> Message:
+        """Send ``msg`` and return the reply. Raises RemoteError (an Error reply, or a reply of
+        an unexpected type / undecodable) or PeerUnavailable (network failure, deadline)."""
+        payload = wire.encode(msg)
+        deadline = timeout or self.config.request_timeout_s
+        try:
+            with trio.fail_after(deadline):
+                for attempt in (0, 1):
+                    stream, reused = await self._take_stream(peer_id, protocol)
+                    try:
+                        with trio.fail_after(deadline):
+                            await stream.write(wire.frame(payload))
+                            body = await read_frame(stream, max_bytes=max_reply_bytes,
+                                                    first_byte_timeout=deadline, io_timeout=self.config.io_timeout_s)
+                    except (CleanEnd, Truncated, *STREAM_ERRORS) as exc:
+                        await reset_quietly(stream)
+                        if reused and attempt == 0:
+                            continue  # a pooled stream the server had closed: one fresh try
+                        raise PeerUnavailable(f"{protocol} to {peer_id[:16]}: {type(exc).__name__}: {exc}") from None
+                    except BaseException:
+                        await reset_quietly(stream)
+                        raise
+                    break
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"{protocol} to {peer_id[:16]}: no reply within {deadline:.1f} s") from None
+        except ProtocolError as exc:  # oversized reply header
+            raise RemoteError(exc.code, f"reply: {exc.detail}") from None
+        try:
+            reply = wire.decode(body)
+        except ProtocolError as exc:
+            await reset_quietly(stream)
+            raise RemoteError(exc.code, f"reply: {exc.detail}") from None
+        await self._give_back(peer_id, protocol, stream)
+        if isinstance(reply, Error):
+            err = protocol_error_from(reply)
+            raise RemoteError(err.code, err.detail)
+        if expect is not None and not isinstance(reply, expect):
+            raise RemoteError(ErrorCode.UNKNOWN_TYPE, f"unexpected reply {reply.type!r} on {protocol}")
+        return reply
+
+    async def _take_stream(self, peer_id: str, protocol: str) -> tuple[Any, bool]:
+        pool = self._pool.get((peer_id, protocol))
+        now = time.monotonic()
+        while pool:
+            stream, last = pool.pop()
+            if now - last < self.config.pool_idle_s and not _closed(stream):
+                return stream, True
+            await close_quietly(stream)
+        try:
+            with trio.fail_after(self.config.connect_timeout_s + 5.0):
+                stream = await self.libp2p.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"open {protocol} to {peer_id[:16]}: timed out") from None
+        except Exception as exc:  # noqa: BLE001 - dial / negotiation errors of many kinds
+            raise PeerUnavailable(f"open {protocol} to {peer_id[:16]}: {type(exc).__name__}: {exc}") from None
+        return stream, False
+
+    async def _give_back(self, peer_id: str, protocol: str, stream: Any) -> None:
+        pool = self._pool[(peer_id, protocol)]
+        if len(pool) < 4:
+            pool.append((stream, time.monotonic()))
+        else:
+            await close_quietly(stream)
+
+    def _drop_pool(self, peer_id: str) -> None:
+        for key in [k for k in self._pool if k[0] == peer_id]:
+            self._pool.pop(key, None)
+
+    async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
+        """Seconds for a libp2p ping (stream open + round trip); PeerUnavailable if none within ``timeout``."""
+        start = time.perf_counter()
+        try:
+            with trio.fail_after(timeout):
+                stream = await self.libp2p.new_stream(ID.from_base58(peer_id), [PING_PROTOCOL])
+                try:
+                    await perform_ping_roundtrip(stream)
+                finally:
+                    await close_quietly(stream)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"ping {peer_id[:16]}: no answer within {timeout:.1f} s") from None
+        except Exception as exc:  # noqa: BLE001
+            raise PeerUnavailable(f"ping {peer_id[:16]}: {type(exc).__name__}: {exc}") from None
+        return time.perf_counter() - start
+
+
+def _quiet_libp2p_logs() -> None:
+    for name in ("libp2p", "multiaddr", "async_service"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+@asynccontextmanager
+async def open_host(identity: Identity, config: HostConfig | None = None) -> AsyncIterator[Host]:
+    """Start a libp2p host (TCP, Noise, yamux) with ``identity``'s key, listening on
+    ``config.listen``; stopped when the block exits."""
+    config = config or HostConfig()
+    _quiet_libp2p_logs()
+    # one connection per peer: the dialer stops waiting as soon as the first dial succeeds;
+    # no auto-connector dialing toward a 50-connection floor (our topology is explicit).
+    conn_cfg = ConnectionConfig(max_connections_per_peer=1, dial_timeout=config.connect_timeout_s,
+                                min_connections=0, low_watermark=0)
+    listen = multiaddr.Multiaddr(config.listen)
+    lp_host = new_host(key_pair=create_new_key_pair(identity.seed), listen_addrs=[listen],
+                       connection_config=conn_cfg)
+    if str(lp_host.get_id()) != identity.peer_id:
+        raise RuntimeError("libp2p peer id differs from the protocol identity")
+    async with lp_host.run(listen_addrs=[listen]):
+        yield Host(identity, lp_host, config)
+
+
+def _closed(stream: Any) -> bool:
+    flag = getattr(stream, "is_closed", False)
+    return bool(flag() if callable(flag) else flag)

@@ -1,0 +1,187 @@
+"""How a node daemon gets its weights: the broadcast relay first (versions pushed by the
+learner's plan, loaded into the backend in a worker thread as they arrive), pull catch-up from
+peers when a version was missed, and the direct fetch from the learner (``fetch_weights``) only
+for a node with no version yet or one that could not catch up.
+
+Generation and weight loading share one lock, so a rollout's behaviour version is exactly the
+version its tokens were sampled with.
+
+With a ``SnapshotKeeper`` (``node/state.py``) the newest loaded version is also kept on disk
+with its signed manifest, and at start a verified on-disk snapshot becomes the node's version
+(loaded into the backend and adopted by the relay as the base for deltas), so a restarted node
+asks only for what is newer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from echorl.protocol import snapshot
+from echorl.protocol.messages import Manifest, ManifestRequest
+
+from echorl.node.state import SnapshotKeeper
+
+log = logging.getLogger("echorl.node.daemon")
+
+WAIT_FOR_BROADCAST_S = 3.0  # a refused node first waits this long for the broadcast in flight
+CATCH_UP_TIMEOUT_S = 30.0
+FETCH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class NodeWeights:
+    """The node's weight state: backend, the relay that feeds it, the loaded version."""
+
+    host: Any
+    run_id: str
+    backend: Any
+    upload_limit: Any = None
+    version: int = -1  # loaded into the backend (the behaviour version of new rollouts)
+    relay: Any = None
+    lock: trio.Lock = field(default_factory=trio.Lock)  # held while generating or loading
+    changed: trio.Event = field(default_factory=trio.Event)
+    loads: dict[str, int] = field(default_factory=lambda: {"relay": 0, "fetch": 0})
+    keeper: SnapshotKeeper | None = None  # the newest verified version on disk
+    started_from: int = -1  # the on-disk version this process started from (-1: none)
+
+    async def attach(self, learner: str, nursery: trio.Nursery) -> None:
+        """The relay for ``learner`` (created and started once; reset if the learner changed)."""
+        from echorl.broadcast.relay import Relay
+
+        if self.relay is None:
+            self.relay = Relay(self.host, learner, self.run_id, on_version=self._on_version,
+                               upload_limit=self.upload_limit)
+            await self._resume(learner)
+            self.relay.install()
+            nursery.start_soon(self.relay.run)
+            if self.keeper is not None:
+                nursery.start_soon(self.keeper.run)
+        elif self.relay.learner != learner:
+            self.forget(learner)
+
+    async def _resume(self, learner: str) -> None:
+        """Start from the verified on-disk snapshot, if there is one for this learner and run."""
+        if self.keeper is None:
+            return
+        snap = await self.keeper.load(learner)
+        if snap is None:
+            log.info("no usable on-disk snapshot in %s: weights come from the network", self.keeper.state_dir)
+            return
+        try:
+            loaded = await self._load(snap.version, snap.data, "disk")
+        except Exception as exc:  # noqa: BLE001 - a snapshot the backend refuses is only a cache miss
+            log.warning("on-disk snapshot v%d does not load (%s): discarding it", snap.version, exc)
+            self.keeper.discard()
+            return
+        if loaded:
+            # the base of the next broadcast delta, and (a full snapshot) served to peers catching up
+            await self.relay.adopt(snap.version, snap.data, snap.manifest)
+            self.started_from = snap.version
+            log.info("resumed from on-disk snapshot v%d (%s, %d bytes)", snap.version, snap.manifest.kind,
+                     len(snap.data))
+
+    def forget(self, learner: str) -> None:
+        """Drop every version (the learner changed or went back to an older checkpoint), on disk
+        too: a learner that went back signs new weights under the same version numbers."""
+        log.warning("forgetting weights v%d (learner restarted or changed)", self.version)
+        self.relay.reset(learner)
+        self.version = -1
+        if self.keeper is not None:
+            self.keeper.discard()
+
+    async def flush(self) -> None:
+        """Write the newest version to disk now (at shutdown)."""
+        if self.keeper is not None:
+            await self.keeper.flush()
+
+    async def _on_version(self, version: int, data: bytes) -> None:
+        """Relay callback: a verified version (broadcast or catch-up) → the backend (and disk)."""
+        if await self._load(version, data, "relay"):
+            manifest = self._relay_manifest(version) or await self._learner_manifest(version)
+            self._keep(manifest, data)
+
+    async def _load(self, version: int, data: bytes, how: str) -> bool:
+        """Load ``version`` into the backend unless we hold it or newer; True if loaded."""
+        if version <= self.version:
+            return False
+        sd = await trio.to_thread.run_sync(snapshot.safetensors_to_state_dict, data)
+        async with self.lock:
+            if version <= self.version:
+                return False
+            await trio.to_thread.run_sync(self.backend.load_state_dict, sd, version)
+            self.version = version
+        self.loads[how] = self.loads.get(how, 0) + 1
+        self.changed.set()
+        self.changed = trio.Event()
+        log.debug("weights v%d via %s", version, how)
+        return True
+
+    def _keep(self, manifest: Manifest | None, data: bytes) -> None:
+        """Hand a loaded version to the keeper (which verifies the pair again before writing)."""
+        if self.keeper is None or manifest is None or manifest.version != self.version:
+            return
+        self.keeper.offer(manifest, data, self.relay.learner)
+
+    def _relay_manifest(self, version: int) -> Manifest | None:
+        """The manifest the relay verified ``version`` against (its catch-up chain or the
+        version's broadcast state)."""
+        for manifest, _ in reversed(self.relay.server.chain):
+            if manifest.version == version:
+                return manifest
+        state = self.relay.server.states.get(version)
+        return None if state is None else state.manifest
+
+    async def _learner_manifest(self, version: int) -> Manifest | None:
+        """``version``'s signed manifest from the learner (the fallback fetch does not return
+        it); the keeper verifies it against the pinned learner and the bytes."""
+        from echorl.net.host import PeerUnavailable, RemoteError
+        from echorl.net.routes import MANIFEST
+
+        try:
+            reply = await self.host.request(self.relay.learner, MANIFEST,
+                                            ManifestRequest(run_id=self.run_id, version=version),
+                                            expect=Manifest, timeout=10.0)
+        except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
+            log.info("manifest of v%d unavailable, not kept on disk: %s", version, exc)
+            return None
+        return reply if isinstance(reply, Manifest) else None
+
+    async def generate(self, *args: Any) -> tuple[int, Any]:
+        """``backend.generate(*args)`` in a worker thread with no version change meanwhile;
+        returns (behaviour version, groups)."""
+        async with self.lock:
+            version = self.version
+            groups = await trio.to_thread.run_sync(self.backend.generate, *args)
+        return version, groups
+
+    async def ensure(self, target: int = 0) -> None:
+        """Reach version ≥ ``target``: wait briefly for the broadcast in flight, then catch up
+        from peers (the learner last), then fetch directly from the learner."""
+        if self.version >= target:
+            return
+        if self.version >= 0:
+            with trio.move_on_after(WAIT_FOR_BROADCAST_S):
+                while self.version < target:
+                    await self.changed.wait()
+            if self.version >= target:
+                return
+        await self.relay.catch_up(timeout=CATCH_UP_TIMEOUT_S)
+        if self.version < target:
+            await self._fetch()
+
+    async def _fetch(self) -> None:
+        from echorl.broadcast.weight_store import fetch_weights_bytes
+
+        got = await fetch_weights_bytes(self.host, self.relay.learner, self.run_id, self.version,
+                                        timeout=FETCH_TIMEOUT_S)
+        if got is None:
+            return
+        version, data, seconds = got
+        await self.relay.adopt(version, data)  # the base of the next broadcast delta
+        if await self._load(version, data, "fetch"):
+            self._keep(await self._learner_manifest(version), data)
+        log.info("weights v%d fetched directly in %.3f s (fallback)", version, seconds)

@@ -1,0 +1,131 @@
+"""A foreign peer attacks a real learner process: garbage bytes, an oversized frame, a forged
+signature, a submission signed by another key, a replay, a stale version, a stale join. Each is
+refused with its error code, the learner stays up, and the accepted count does not change."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+import time
+
+import trio
+from libp2p.peer.id import ID
+
+from echorl.net import routes
+from echorl.net.framing import read_frame
+from echorl.net.host import open_host
+from echorl.protocol import wire
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import (
+    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest, SubmitAccepted,
+)
+
+from swarm import remote_code, signed_submit
+
+
+# spot checks off: the one "genuine" submission here carries fabricated log-probs and must be
+# accepted (log-prob spot checks are tested in test_net_spot_check.py)
+CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 4, "group_size": 2, "staleness": 0, "eval_every": 100000,
+          "steps": 0, "spot_check_fraction": 0.0}
+
+
+def _cap(addr: str) -> Capability:
+    return Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=1.0, price_per_hour=0.0,
+                      reachable=True, listen_addrs=[addr])
+
+
+async def _raw(host, peer: str, protocol: str, payload: bytes) -> str:
+    stream = await host.libp2p.new_stream(ID.from_base58(peer), [protocol])
+    await stream.write(payload)
+    body = await read_frame(stream, max_bytes=1 << 20, first_byte_timeout=20, io_timeout=20)
+    return wire.decode(body).code
+
+
+async def _lease(host, learner: str, version: int) -> Lease:
+    for _ in range(200):
+        reply = await host.request(learner, routes.LEASE,
+                                   LeaseRequest(run_id="echorl-demo", version=version, max_prompts=4),
+                                   expect=(Lease, LeaseDeferred))
+        if isinstance(reply, Lease):
+            return reply
+        assert reply.reason == "paced", reply
+        await trio.sleep(0.05)
+    raise AssertionError("no lease")
+
+
+async def attack(addr: str) -> dict:
+    me, other = Identity.generate(), Identity.generate()
+    out: dict = {}
+    async with open_host(me) as host:
+        learner = await host.connect(addr)
+        req = lambda proto, msg, **kw: host.request(learner, proto, msg, **kw)  # noqa: E731
+        status = lambda: req(routes.STATUS, StatusRequest(), expect=Status)  # noqa: E731
+        out["garbage"] = await _raw(host, learner, routes.SUBMIT, struct.pack(">I", 6) + b"\xc1garbg")
+        out["oversized"] = await _raw(host, learner, routes.JOIN, struct.pack(">I", 10_000_000) + b"x" * 64)
+        join = JoinRequest(run_id="echorl-demo", peer_id=me.peer_id, capability=_cap(host.addrs[0]), version=-1,
+                           timestamp=time.time(), nonce=secrets.token_bytes(16))
+        old = join.model_copy(update={"timestamp": time.time() - 3600, "nonce": secrets.token_bytes(16)})
+        out["stale_join"] = await remote_code(req(routes.JOIN, wire.sign(old, me)))
+        out["forged_join"] = await remote_code(req(routes.JOIN, join.model_copy(update={"signature": b"\x01" * 64})))
+        signed_join = wire.sign(join, me)
+        assert isinstance(await req(routes.JOIN, signed_join, expect=JoinAccepted), JoinAccepted)
+        out["replayed_join"] = await remote_code(req(routes.JOIN, signed_join))
+
+        lease = await _lease(host, learner, 0)
+        good = signed_submit(me, lease, 0)
+        before = (await status()).learner
+        out["forged"] = await remote_code(req(routes.SUBMIT, good.model_copy(update={"signature": b"\x02" * 64})))
+        tampered = good.model_copy(update={"behaviour_version": 0, "generate_seconds": 9.0})
+        out["tampered"] = await remote_code(req(routes.SUBMIT, tampered))
+        out["other_signer"] = await remote_code(req(routes.SUBMIT, signed_submit(me, lease, 0, signer=other)))
+        mid = (await status()).learner
+        out["accepted_unchanged_by_refusals"] = mid["submissions_accepted"] == before["submissions_accepted"]
+        assert isinstance(await req(routes.SUBMIT, good, expect=SubmitAccepted), SubmitAccepted)
+        out["replay"] = await remote_code(req(routes.SUBMIT, good))
+        out["replay_new_nonce"] = await remote_code(req(routes.SUBMIT, signed_submit(me, lease, 0)))
+        # the learner trains a step on our 4 groups (S=0), then a version-0 result is stale
+        for _ in range(400):
+            if (await status()).learner["version"] >= 1:
+                break
+            await trio.sleep(0.05)
+        lease2 = await _lease(host, learner, 1)
+        out["stale"] = await remote_code(req(routes.SUBMIT, signed_submit(me, lease2, 0)))
+        after = (await status()).learner
+        out["accepted"] = (before["submissions_accepted"], after["submissions_accepted"])
+        out["invalid"] = after["rollouts_rejected_invalid"] - before["rollouts_rejected_invalid"]
+    return out
+
+
+def test_foreign_peer_attacks_are_refused(swarm, tmp_path):
+    cfg = tmp_path / "learner.json"
+    cfg.write_text(json.dumps(CONFIG))
+    addr = swarm.start_learner("--config", str(cfg))
+    out = trio.run(attack, addr)
+    assert out["garbage"] == "malformed"
+    assert out["oversized"] == "oversized"
+    assert out["stale_join"] == "replay"
+    assert out["forged_join"] == "bad_signature"
+    assert out["replayed_join"] == "replay"
+    assert out["forged"] == "bad_signature"
+    assert out["tampered"] == "bad_signature"
+    assert out["other_signer"] == "wrong_signer"
+    assert out["accepted_unchanged_by_refusals"]
+    assert out["replay"] == "replay" and out["replay_new_nonce"] == "replay"
+    assert out["stale"] == "stale_version"
+    assert out["accepted"] == (0, 1)  # only the one genuine submission counted
+    assert out["invalid"] == 3
+    assert swarm.learner.poll() is None  # still up
+    st = trio.run(_alive, addr)
+    assert st >= 1
+
+
+async def _alive(addr: str) -> int:
+    async with open_host(Identity.generate()) as host:
+        peer = await host.connect(addr)
+        reply = await host.request(peer, routes.STATUS, StatusRequest(), expect=Status)
+        return int(reply.learner["version"])
+
+
+_ = os

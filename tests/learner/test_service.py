@@ -1,0 +1,101 @@
+"""The learner service's bookkeeping of peers: the liveness sweep over real libp2p hosts (a quiet
+peer that answers pings stays in broadcast plans; one that is gone — holding a lease or idle — is
+marked dead within seconds, its leases expired and re-queued); lease deadlines sized to the node;
+and what a checkpoint keeps of the service (bans, node addresses), bad entries skipped."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from echorl.learner.buffer import StalenessBuffer
+from echorl.net.host import open_host
+from echorl.learner.service import LearnerService, LeasePolicy, PeerRecord
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Capability
+
+
+def _record(peer_id: str, quiet_for_s: float) -> PeerRecord:
+    cap = Capability(engine="torch", device="cpu", memory_bytes=0, tokens_per_s=1.0, price_per_hour=0.0,
+                     reachable=True, listen_addrs=[])
+    then = time.monotonic() - quiet_for_s
+    return PeerRecord(peer_id, cap, then, then, version=0)
+
+
+def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
+    from echorl.tasks import load_task
+
+    async def main() -> None:
+        task = load_task("addition", digits=2, seed=0)
+        learner = Identity.generate()
+        svc = LearnerService(learner, "run-1", task, tokenizer=None, buffer=StalenessBuffer(4, scorer=task.reward),
+                             policy=LeasePolicy(liveness_after_s=0.5, ping_timeout_s=2.0), vocab_size=100)
+        async with open_host(learner) as host, open_host(Identity.generate()) as up:
+            svc.install(host)
+            await host.connect(up.addrs[0])
+            async with open_host(Identity.generate()) as idle_gone, open_host(Identity.generate()) as holder_gone:
+                await host.connect(idle_gone.addrs[0])
+                await host.connect(holder_gone.addrs[0])
+                gone = (idle_gone.peer_id, holder_gone.peer_id)
+            # both hosts are stopped now; the learner still has records for all three peers
+            for pid in (up.peer_id, *gone):
+                svc.peers[pid] = _record(pid, quiet_for_s=10.0)
+            prompts = svc.buffer.next_prompts(task, 4)
+            svc.book.issue(holder_gone.peer_id, prompts, 8, 0, time.monotonic(), timeout_s=600)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(svc.maintain, 0.1)
+                with trio.fail_after(20):
+                    while any(svc.peers[pid].alive for pid in gone):
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+            assert svc.peers[up.peer_id].alive
+            assert time.monotonic() - svc.peers[up.peer_id].last_seen < 5.0  # its ping refreshed it
+            assert [n.peer_id for n in svc.broadcast_nodes()] == [up.peer_id]
+            assert svc.book.expired == 1 and not svc.book.active  # the 600 s lease went at once
+            requeued = svc.buffer.next_prompts(task, 4)
+            assert sorted(p.prompt_id for p in requeued) == sorted(p.prompt_id for p in prompts)
+
+    trio.run(main)
+
+
+def test_lease_deadline_scales_with_the_node_and_is_capped() -> None:
+    from echorl.protocol.messages import SamplingSpec
+
+    pol = LeasePolicy(group_size=8, lease_timeout_s=30.0,
+                      sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=256, stop=[]))
+    assert pol.lease_seconds(4, groups_per_s=10.0, tokens_per_s=1.0) == 30.0  # fast node: the floor
+    assert pol.lease_seconds(4, groups_per_s=0.1, tokens_per_s=1e6) == 160.0  # measured: 4 × 40 s
+    # not yet measured: declared 151 tok/s, 2 prompts × 8 samples × 256 tokens ≈ 27 s → 4 × that
+    assert pol.lease_seconds(2, groups_per_s=0.0, tokens_per_s=151.0) == 4 * 2 * 8 * 256 / 151.0
+    assert pol.lease_seconds(4, groups_per_s=0.0, tokens_per_s=0.0) == 600.0  # a claimed 0 tok/s: capped
+
+
+def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() -> None:
+    import json
+
+    from echorl.learner.resume import restore_service, service_state
+    from echorl.tasks import load_task
+
+    task = load_task("addition", digits=2, seed=0)
+
+    def service() -> LearnerService:
+        return LearnerService(Identity.generate(), "run-1", task, tokenizer=None,
+                              buffer=StalenessBuffer(4, scorer=task.reward), policy=LeasePolicy(), vocab_size=100)
+
+    old = service()
+    old.peers["fresh"] = _record("fresh", quiet_for_s=1.0)
+    old.peers["gone-long-ago"] = _record("gone-long-ago", quiet_for_s=3600.0)
+    old.peers["fresh"].capability = old.peers["fresh"].capability.model_copy(update={"listen_addrs": ["/ip4/10.0.0.1/tcp/4001"]})
+    old.mismatches = {"cheater": 3}
+    saved = json.loads(json.dumps(service_state(old)))  # what the checkpoint's state.json holds
+    new = service()
+    assert restore_service(new, saved) == {"fresh": ["/ip4/10.0.0.1/tcp/4001"]}
+    assert new.mismatches == {"cheater": 3} and new.banned("cheater")
+
+    bad = service()
+    state = {"logprob_mismatches": {"a": 2, "b": "x", "c": True, "d": -1}, "peer_addrs": {"p": ["/ip4/1.2.3.4/tcp/1"], "q": "x"}}
+    assert restore_service(bad, state) == {"p": ["/ip4/1.2.3.4/tcp/1"]} and bad.mismatches == {"a": 2}
+    for junk in ("garbage", None, {"logprob_mismatches": [1, 2], "peer_addrs": 7}):
+        fresh = service()
+        assert restore_service(fresh, junk) == {} and fresh.mismatches == {}
