@@ -8,7 +8,11 @@ deltas, a full snapshot every ``full_every`` publications) from a publication ta
 beside training; the same bytes stay available to the direct fetch (``broadcast/weight_store.py``) as
 the nodes' fallback. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
 newest completed broadcast and the provisioning rule of DESIGN §7:
-required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
+required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i. The same row feeds ``/metrics``
+(``--metrics-port``, Prometheus) and TensorBoard (``--tensorboard DIR``): ``echorl/metrics_sinks.py``.
+Every accepted submission is answered with a signed receipt (``learner/ledger.py``, which also
+keeps per-node rejections by reason and the run's cost, learner ``--price-per-hour`` included).
+At the end the learner prints a one-paragraph summary (steps, eval, nodes, cost).
 
 A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed
 with the snapshot of the claimed version (``learner/spot_check.py``; the weight store keeps the last
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -35,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
+from echorl.metrics_sinks import open_sinks, parse_listen, tensorboard_missing
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -62,6 +69,9 @@ class LearnerConfig:
     key: str = ""
     addr_file: str = ""
     metrics_out: str = ""
+    metrics_port: str = ""  # PORT or HOST:PORT for Prometheus /metrics ("": off)
+    tensorboard: str = ""  # TensorBoard log dir ("": off; needs the 'track' extra)
+    price_per_hour: float = 0.0  # the learner's own price: cost accounting (learner/ledger.py)
     dht: bool = True
     publish_every: int = 0  # κ; 0: max(1, S−1) (DESIGN §7)
     full_every: int = 10  # a full snapshot every this many publications, deltas between
@@ -104,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="stop after this many steps (0: run until stopped)")
     p.add_argument("--staleness", type=int, help="staleness bound S")
     p.add_argument("--metrics-out", dest="metrics_out", help="JSON-lines metrics file")
+    p.add_argument("--metrics-port", dest="metrics_port",
+                   help="serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (docs/metrics.md)")
+    p.add_argument("--tensorboard", help="also log every metrics row to this TensorBoard directory "
+                                         "(needs the 'track' extra)")
+    p.add_argument("--price-per-hour", dest="price_per_hour", type=float,
+                   help="the learner's own price per hour: cost so far, per step and per 1,000 rollouts (default 0)")
     p.add_argument("--addr-file", dest="addr_file", help="write the bootstrap multiaddr here")
     p.add_argument("--seed", type=int, help="seed of the built-in model, prompts and sampling")
     p.add_argument("--model", help="Hugging Face model directory (default: the tiny demo model)")
@@ -152,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
     keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model", "task",
             "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
-            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction", "activation")
+            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction", "activation",
+            "metrics_port", "tensorboard", "price_per_hour")
     try:
         cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
         _check_task_and_model(cfg, args.task_option)
@@ -161,6 +178,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if cfg.activation not in ("all", "cost"):
         print(f"echorl learner: activation must be 'all' or 'cost', not {cfg.activation!r}", file=sys.stderr)
+        return 2
+    try:
+        if cfg.metrics_port:
+            parse_listen(cfg.metrics_port)
+    except ValueError as exc:
+        print(f"echorl learner: {exc}", file=sys.stderr)
+        return 2
+    if cfg.tensorboard and (hint := tensorboard_missing()):
+        print(f"echorl learner: {hint}", file=sys.stderr)
+        return 2
+    if cfg.price_per_hour < 0 or not math.isfinite(cfg.price_per_hour):
+        print("echorl learner: --price-per-hour must be a finite number >= 0", file=sys.stderr)
         return 2
     if cfg.resume and not cfg.checkpoint_dir:
         print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
@@ -186,6 +215,10 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     if cfg.resume:
         await _resume(cfg, trainer)
     trainer.open_metrics()
+    try:
+        trainer.sinks = open_sinks("learner", cfg.metrics_port, cfg.tensorboard)
+    except OSError as exc:
+        raise SystemExit(f"echorl learner: --metrics-port {cfg.metrics_port}: {exc}") from None
     policy = LeasePolicy(staleness=cfg.staleness, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
                          prompts_per_lease=cfg.prompts_per_lease, lease_timeout_s=cfg.lease_timeout_s,
                          liveness_after_s=cfg.liveness_after_s, sampling=trainer.sampling_spec(),
@@ -194,6 +227,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                              trainer.vocab_size)
     service.version = service.published = trainer.grpo.version
     service.required_fn = trainer.required_rollouts_per_s
+    service.ledger.price_per_hour = cfg.price_per_hour
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
     # the last S+1 published versions: every behaviour version still acceptable (t − b ≤ S) has
     # its snapshot at hand for spot checks (and for the nodes' fallback fetch)
@@ -219,6 +253,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                 if cfg.checkpoint_dir:
                     await trainer.checkpoint()
                 nursery.cancel_scope.cancel()
+        print(run_summary(trainer, service), flush=True)
     finally:
         trainer.close()
 
@@ -310,6 +345,25 @@ async def _stop_on_signal(trainer: Any, service: Any, scope: trio.CancelScope) -
             trainer.stopping = True
             service.stopping = True
             service.accepted.set()
+
+
+def run_summary(trainer: Any, service: Any) -> str:
+    """The end-of-run paragraph (like the demo's): steps, eval, nodes, staleness, cost."""
+    from echorl.protocol.identity import short_id
+
+    row = {**trainer.last_row, **service.ledger.metrics(service.peers.values(), trainer.step, service.policy.group_size)}
+
+    def r(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    nodes = ", ".join(f"{short_id(p)} {a.groups_accepted} groups/{a.rejected_total} rejected"
+                      for p, a in sorted(service.ledger.accounts.items())) or "none"
+    return (f"summary: {trainer.step} steps in {r(row.get('elapsed_s'))} s; eval_reward {r(trainer.first_eval)} -> "
+            f"{r(trainer.last_eval)}; staleness_max {r(row.get('staleness_max'))} (S={trainer.cfg.staleness}); "
+            f"receipts {service.ledger.seq}; nodes: {nodes}; cost {r(row['cost_total'])} (learner "
+            f"{r(row['cost_learner'])}, nodes {r(row['cost_nodes'])}), per step {r(row['cost_per_step'])}, per 1k "
+            f"rollouts {r(row['cost_per_1k_rollouts'])}; same rollouts on the learner (estimate) "
+            f"{r(row['cost_rollouts_on_learner_estimate'])}")
 
 
 def config_dict(cfg: LearnerConfig) -> dict[str, Any]:

@@ -55,7 +55,9 @@ from echorl.net import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
+from echorl.learner.ledger import Ledger, count_tokens
 from echorl.learner.spot_check import SpotChecker
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -168,6 +170,7 @@ class LearnerService:
         self.required_fn: Callable[[], float | None] = lambda: None
         self.losses: deque[tuple[float, str]] = deque()  # (monotonic time, peer id) of liveness expiries
         self._last_decision = 0.0
+        self.ledger = Ledger(identity, run_id)  # receipts, per-peer rejections by reason, cost
 
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
@@ -208,7 +211,7 @@ class LearnerService:
         self.peers[ctx.peer_id] = rec
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
-        log.info("joined: %s (%s, %.0f tok/s)", ctx.peer_id[:16], msg.capability.device, msg.capability.tokens_per_s)
+        log.info("joined: %s (%s, %.0f tok/s)", short_id(ctx.peer_id), msg.capability.device, msg.capability.tokens_per_s)
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
 
@@ -245,6 +248,14 @@ class LearnerService:
         return LeaseDeferred(run_id=self.run_id, reason=reason, want_version=want_version, retry_after_s=retry_after_s)
 
     async def on_submit(self, msg: Message, ctx: RequestContext) -> Message:
+        """``_submit``; a refusal is counted against the (authenticated) remote peer by reason."""
+        try:
+            return await self._submit(msg, ctx)
+        except ProtocolError as exc:
+            self.ledger.reject(ctx.peer_id, exc.code.value)
+            raise
+
+    async def _submit(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, Submit)
         try:
             if msg.run_id != self.run_id:
@@ -275,7 +286,8 @@ class LearnerService:
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
         self.book.settle(rec.lease_id, "result", msg.nonce)
-        accepted = sum(1 for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED)
+        kept = [g for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED]
+        accepted = len(kept)
         self.counters["submissions_accepted"] += 1
         self.counters["groups_received"] += len(groups)
         peer.leases_done += 1
@@ -284,7 +296,10 @@ class LearnerService:
         peer.groups_generated += len(groups)
         peer.version = max(peer.version, b)
         self.accepted.set()
-        return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version)
+        receipt = self.ledger.accept(ctx.peer_id, rec.lease_id, len(groups), accepted, count_tokens(kept), b,
+                                     self.version)
+        receipt = await trio.to_thread.run_sync(wire.sign, receipt, self.identity)
+        return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version, receipt=receipt)
 
     def _open_lease(self, msg: Submit, ctx: RequestContext) -> LeaseRecord:
         """The still-open lease this submission answers; refused (and counted) if the nonce was
@@ -324,12 +339,12 @@ class LearnerService:
             self.counters["peers_flagged"] += 1
         self.spot.flag(peer_id)
         log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+                    short_id(peer_id), version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
         if self.banned(peer_id) and n == self.ban_after:
             self.counters["peers_banned"] += 1
             for gone in self.book.expire_peer(peer_id):
                 self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d log-prob mismatches", peer_id[:16], n)
+            log.warning("peer %s banned after %d log-prob mismatches", short_id(peer_id), n)
         raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                             f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
                             f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
@@ -387,6 +402,7 @@ class LearnerService:
                    "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
         learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
         learner.update(self.activation_metrics())
+        learner.update(self.ledger.metrics(self.peers.values(), self.version, self.policy.group_size))
         peers = []
         for p in self.peers.values():
             c = p.capability
@@ -396,7 +412,7 @@ class LearnerService:
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
-                          "standby": self.is_standby(p.peer_id)})
+                          "standby": self.is_standby(p.peer_id), **self.ledger.peer_fields(p.peer_id)})
         return Status(run_id=self.run_id, learner=learner, peers=peers)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
@@ -472,7 +488,7 @@ class LearnerService:
             if self.policy.activation == "cost" and time.monotonic() - self._last_decision >= self.policy.activation_interval_s:
                 self.reactivate()
             for rec in self.book.expire_due(time.monotonic()):
-                log.info("lease %s of %s expired", rec.lease_id, rec.peer_id[:16])
+                log.info("lease %s of %s expired", rec.lease_id, short_id(rec.peer_id))
                 self.buffer.requeue(rec.prompts)
             now = time.monotonic()
             quiet = [pid for pid, p in self.peers.items()
@@ -493,5 +509,5 @@ class LearnerService:
             for rec in gone:
                 self.buffer.requeue(rec.prompts)
             self.peers[peer_id].alive = False
-            log.warning("peer %s unresponsive (%s): %d leases expired", peer_id[:16], exc, len(gone))
+            log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), exc, len(gone))
             self._lost(peer_id)

@@ -27,6 +27,8 @@ from typing import Any
 
 import trio
 
+from echorl.protocol.identity import short_id
+
 log = logging.getLogger("echorl.node.daemon")
 
 
@@ -110,7 +112,7 @@ async def main(args: argparse.Namespace) -> None:
     identity = load_or_create_identity(args.key)
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, args)
-    log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
+    log.info("node %s: %.0f tokens/s on %s", short_id(identity.peer_id), tps, args.device)
     state = NodeState(run_id=args.run_id)
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
         cap = _capability(args, backend, tps, host.addrs)
