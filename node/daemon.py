@@ -10,6 +10,10 @@ version to disk and exits 0.
 
 The newest verified version is kept in ``--state-dir`` (``node/state.py``); a restart with
 the same key starts from it, after verifying it against the pinned learner and the run.
+
+Each accepted submission comes back with the learner's signed receipt; the node verifies it and
+appends it to ``--receipts`` (``node/receipts.py``). ``--metrics-port`` serves the node's counters
+(``NodeState.row``) as Prometheus ``/metrics`` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", dest="state_dir", default=None,
                    help="where the newest verified weights are kept, so a restart does not re-download "
                         "them (default: state-<key name>-<run id> next to the --key file)")
+    p.add_argument("--receipts", default=None,
+                   help="file the learner's signed receipts are appended to (default: receipts.jsonl in the state dir)")
+    p.add_argument("--metrics-port", dest="metrics_port", default="",
+                   help="serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (docs/metrics.md)")
     p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
                    help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
 
@@ -60,10 +68,40 @@ class NodeState:
     leases_done: int = 0
     current_lease: str = ""
     weights: Any = None  # NodeWeights
+    receipts: Any = None  # ReceiptLog
+    sinks: list[Any] = field(default_factory=list)
+    groups_generated: int = 0
+    tokens_generated: int = 0
+    generate_seconds: float = 0.0
+    groups_credited: int = 0
+    receipts_kept: int = 0
+    receipts_invalid: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # error code -> submissions refused
+
+    def row(self) -> dict[str, Any]:
+        """The node's metrics, computed here only (sinks just export them)."""
+        return {"version": self.weights.version if self.weights is not None else -1,
+                "leases_done": self.leases_done, "groups_generated": self.groups_generated,
+                "tokens_generated": self.tokens_generated, "generate_seconds": self.generate_seconds,
+                "groups_credited": self.groups_credited, "receipts": self.receipts_kept,
+                "receipts_invalid": self.receipts_invalid, "submissions_rejected_by_reason": dict(self.rejected)}
+
+    def publish(self) -> None:
+        row = self.row()
+        for sink in self.sinks:
+            sink.write(row)
 
 
 def run(args: argparse.Namespace) -> int:
+    from echorl.metrics_sinks import parse_listen
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if args.metrics_port:
+            parse_listen(args.metrics_port)
+    except ValueError as exc:
+        print(f"echorl node: {exc}", file=sys.stderr)
+        return 2
     try:
         trio.run(main, args)
     except KeyboardInterrupt:
@@ -105,6 +143,8 @@ async def main(args: argparse.Namespace) -> None:
 
     from echorl.net.host import HostConfig, open_host
     from echorl.net.membership import Membership
+    from echorl.metrics_sinks import open_sinks
+    from echorl.node.receipts import ReceiptLog
     from echorl.node.state import SnapshotKeeper, default_state_dir
     from echorl.node.versions import NodeWeights
     from echorl.net.transport import UploadLimiter
@@ -113,7 +153,12 @@ async def main(args: argparse.Namespace) -> None:
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, args)
     log.info("node %s: %.0f tokens/s on %s", short_id(identity.peer_id), tps, args.device)
-    state = NodeState(run_id=args.run_id)
+    state = NodeState(run_id=args.run_id, receipts=ReceiptLog(args.receipts or state_dir / "receipts.jsonl"))
+    try:
+        state.sinks = open_sinks("node", args.metrics_port)
+    except OSError as exc:
+        raise SystemExit(f"echorl node: --metrics-port {args.metrics_port}: {exc}") from None
+    log.info("receipts go to %s", state.receipts.path)
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
         cap = _capability(args, backend, tps, host.addrs)
         state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps),
@@ -130,8 +175,11 @@ async def main(args: argparse.Namespace) -> None:
             with trio.move_on_after(120):
                 await state.weights.flush()  # the newest version on disk before we go
             nursery.cancel_scope.cancel()
-    log.info("node stopped after %d leases (versions loaded: %s; started from on-disk v%d)",
-             state.leases_done, state.weights.loads, state.weights.started_from)
+    log.info("node stopped after %d leases (versions loaded: %s; started from on-disk v%d); %d receipts for %d "
+             "groups in %s", state.leases_done, state.weights.loads, state.weights.started_from, state.receipts_kept,
+             state.groups_credited, state.receipts.path)
+    for sink in state.sinks:
+        sink.close()
 
 
 async def _wait_signal(stop: trio.Event) -> None:
@@ -255,6 +303,7 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     from echorl.protocol.messages import RolloutGroup, Sample, Submit, SubmitAccepted
 
     from echorl.net import routes
+    from echorl.net.host import RemoteError
 
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))
@@ -271,5 +320,35 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,
                     groups=wire_groups, generate_seconds=seconds, nonce=secrets.token_bytes(16))
     submit = await trio.to_thread.run_sync(wire.sign, submit, host.identity)
-    reply = await host.request(state.learner, routes.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
+    state.groups_generated += len(wire_groups)
+    state.tokens_generated += sum(len(s.token_ids) for g in wire_groups for s in g.samples)
+    state.generate_seconds += seconds
+    try:
+        reply = await host.request(state.learner, routes.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
+    except RemoteError as exc:
+        state.rejected[exc.code.value] = state.rejected.get(exc.code.value, 0) + 1
+        state.publish()
+        raise
+    assert isinstance(reply, SubmitAccepted)
+    await _keep_receipt(host, state, lease.lease_id, reply)
+    state.publish()
     return reply
+
+
+async def _keep_receipt(host: Any, state: NodeState, lease_id: str, reply: Any) -> None:
+    """Verify the receipt against the pinned learner, this node, the run and the lease; append
+    it to the receipts file (both in a worker thread: a signature check and an fsync)."""
+    from echorl.node.receipts import check
+    from echorl.protocol.errors import ProtocolError
+
+    if reply.receipt is None:
+        return
+    try:
+        await trio.to_thread.run_sync(check, reply.receipt, state.learner, host.peer_id, state.run_id, lease_id)
+    except ProtocolError as exc:
+        state.receipts_invalid += 1
+        log.warning("receipt for lease %s refused: %s", lease_id, exc)
+        return
+    await trio.to_thread.run_sync(state.receipts.append, reply.receipt)
+    state.receipts_kept += 1
+    state.groups_credited += reply.receipt.groups
