@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-zA-Z0-9_:]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
 def test_prometheus_sink_exports_the_row_and_keeps_last_values() -> None:
