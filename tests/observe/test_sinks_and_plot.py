@@ -82,3 +82,45 @@ def test_plot_writes_a_png_of_several_runs(tmp_path) -> None:
     res = subprocess.run([sys.executable, "-m", "echorl.cli", "plot", str(empty), "-o", str(tmp_path / "x.png")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no metrics rows" in res.stderr
+
+
+def test_tensorboard_sink_logs_the_row(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from echorl.metrics_sinks import TensorBoardSink
+
+    sink = TensorBoardSink(str(tmp_path))
+    for step in (1, 2):
+        sink.write({"step": step, "reward_mean": 0.5 * step, "broadcast_kind": "full", "per_node_groups": {"abc": step}})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("reward_mean")] == [0.5, 1.0]
+    assert [e.step for e in acc.Scalars("per_node_groups/abc")] == [1, 2]
+
+
+def test_tensorboard_flag_without_the_extra_is_a_hint_not_a_traceback(tmp_path) -> None:
+    blocker = tmp_path / "block" / "tensorboard"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "block")}
+    res = subprocess.run([sys.executable, "-m", "echorl.cli", "learner", "--tensorboard", str(tmp_path / "tb")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "pip install 'echorl[track]'" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_summary_writes_the_plot(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    import argparse
+
+    from echorl.demo import _summary
+
+    metrics = tmp_path / "demo-metrics.jsonl"
+    rows = [{**r, "nodes_active": 1, "signatures_verified": 3, "leases_expired": 0, "required_rollouts_per_s": None,
+             "per_node_groups": {"abcdefgh": 5}, "eval_reward": r["eval_reward"] or 0.1} for r in _rows(10, 1.0)]
+    rows[-1]["available_rollouts_per_s"] = 2.0
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _summary(metrics, 0, 12.0, argparse.Namespace(nodes=1, steps=10, staleness=2)) == 0
+    out = capsys.readouterr().out
+    assert f"plot: {metrics.with_suffix('.png')}" in out and metrics.with_suffix(".png").stat().st_size > 10_000
