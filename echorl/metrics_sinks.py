@@ -134,6 +134,16 @@ def parse_listen(spec: str) -> tuple[str, int]:
     return host or "127.0.0.1", n
 
 
+def sink_flags_error(metrics_port: str = "", tensorboard: str = "") -> str | None:
+    """What is wrong with a role's sink flags (checked before anything starts), or None."""
+    try:
+        if metrics_port:
+            parse_listen(metrics_port)
+    except ValueError as exc:
+        return str(exc)
+    return tensorboard_missing() if tensorboard else None
+
+
 class PrometheusSink:
     """Serves ``/metrics`` from its own registry in a daemon thread (``start_http_server``)."""
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 
-from echorl.metrics_sinks import open_sinks, parse_listen, tensorboard_missing
+from echorl.metrics_sinks import open_sinks, sink_flags_error
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -179,14 +179,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.activation not in ("all", "cost"):
         print(f"echorl learner: activation must be 'all' or 'cost', not {cfg.activation!r}", file=sys.stderr)
         return 2
-    try:
-        if cfg.metrics_port:
-            parse_listen(cfg.metrics_port)
-    except ValueError as exc:
-        print(f"echorl learner: {exc}", file=sys.stderr)
-        return 2
-    if cfg.tensorboard and (hint := tensorboard_missing()):
-        print(f"echorl learner: {hint}", file=sys.stderr)
+    if problem := sink_flags_error(cfg.metrics_port, cfg.tensorboard):
+        print(f"echorl learner: {problem}", file=sys.stderr)
         return 2
     if cfg.price_per_hour < 0 or not math.isfinite(cfg.price_per_hour):
         print("echorl learner: --price-per-hour must be a finite number >= 0", file=sys.stderr)

@@ -93,14 +93,11 @@ class NodeState:
 
 
 def run(args: argparse.Namespace) -> int:
-    from echorl.metrics_sinks import parse_listen
+    from echorl.metrics_sinks import sink_flags_error
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s", stream=sys.stderr)
-    try:
-        if args.metrics_port:
-            parse_listen(args.metrics_port)
-    except ValueError as exc:
-        print(f"echorl node: {exc}", file=sys.stderr)
+    if problem := sink_flags_error(args.metrics_port):
+        print(f"echorl node: {problem}", file=sys.stderr)
         return 2
     try:
         trio.run(main, args)
