@@ -22,18 +22,12 @@ from echorl.net.transport import UploadLimiter
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode
 from echorl.protocol.identity import Identity
+from swarm import safetensors_f32
 from echorl.protocol.messages import BroadcastAck, PlanAnnounce, PlanMember
 from echorl.protocol.routes import ANNOUNCE
 
 pytestmark = pytest.mark.timeout(120)
 RUN = "t-bcast"
-
-
-def safetensors_f32(values: np.ndarray) -> bytes:
-    n = values.size
-    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
-    header += b" " * (-len(header) % 8)
-    return len(header).to_bytes(8, "little") + header + values.astype("<f4").tobytes()
 
 
 RELAY = ["-m", "echorl.broadcast.relay_process"]
