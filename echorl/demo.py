@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = build_default_model(seed=args.seed)
     task = ["--task", args.task, *(a for opt in args.task_option for a in ("--task-option", opt))]
+    from echorl.tasks import BUILTIN
+
+    allow = [] if args.task in BUILTIN else ["--allow-env", args.task]  # a user environment runs on our own nodes
     addr_file = work / "learner.addr"
     addr_file.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"learner: {addr}\n  status: echorl status --bootstrap {addr}", flush=True)
         for i in range(args.nodes):
             interrupts.spawn_into(procs, ["node", "--bootstrap", addr, "--key", str(work / f"node{i}.key"), "--seed",
-                                          str(args.seed), "--model", str(model_dir), *cap], work / f"node{i}.log")
+                                          str(args.seed), "--model", str(model_dir), *cap, *allow], work / f"node{i}.log")
         last_step = -1
         while learner.poll() is None:
             time.sleep(1.0)
