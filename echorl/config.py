@@ -205,11 +205,13 @@ def load(cls: type[T], args: argparse.Namespace, role: str) -> T:
     unknown = set(data) - set(cls.model_fields)
     if unknown:
         raise ConfigError(f"unknown {role} config keys: {sorted(unknown)}")
-    data.update(_flag_values(cls, args))
     try:
+        data.update(_flag_values(cls, args))
         return cls.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe(cls, exc)) from None
+    except ValueError as exc:  # a KEY=VALUE item the field's parser refuses
+        raise ConfigError(str(exc)) from None
 
 
 def configured(cls: type[T], args: argparse.Namespace, role: str) -> T | int:
