@@ -8,19 +8,25 @@ joined and alive (``tick``), plus the learner's own ``price_per_hour × wall tim
 *estimate* of what the accepted rollouts would have cost generated on the learner's hardware,
 from its measured generation rate (the held-out evaluation's samples/s).
 
-Everything here runs on the trio loop in O(peers); signing a receipt is left to the caller
-(one Ed25519 signature, done in a worker thread by the service).
+Everything here runs on the trio loop in O(peers), except signing a receipt (``issue``: one
+Ed25519 signature, in a worker thread).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
+from echorl.protocol import wire
+from echorl.protocol.errors import ProtocolError
 from echorl.protocol.identity import Identity, short_id
 from echorl.protocol.messages import Receipt
 
+Handler = Callable[[Any, Any], Awaitable[Any]]
 MAX_PEERS = 4096
 SECONDS_PER_HOUR = 3600.0
 
@@ -82,6 +88,26 @@ class Ledger:
         return Receipt(run_id=self.run_id, learner_peer_id=self.identity.peer_id, peer_id=peer_id, lease_id=lease_id,
                        seq=self.seq, groups_submitted=submitted, groups=groups, tokens=tokens,
                        behaviour_version=behaviour_version, learner_version=learner_version, issued_at=time.time())
+
+    async def issue(self, peer_id: str, lease_id: str, submitted: int, kept: list[Any], behaviour_version: int,
+                    learner_version: int) -> Receipt:
+        """``accept`` the ``kept`` groups and sign the receipt (in a worker thread)."""
+        receipt = self.accept(peer_id, lease_id, submitted, len(kept), count_tokens(kept), behaviour_version,
+                              learner_version)
+        return await trio.to_thread.run_sync(wire.sign, receipt, self.identity)
+
+    def counting(self, handler: Handler) -> Handler:
+        """``handler`` with every refusal (a ``ProtocolError``) counted against the stream's
+        authenticated remote peer, by error code."""
+
+        async def counted(msg: Any, ctx: Any) -> Any:
+            try:
+                return await handler(msg, ctx)
+            except ProtocolError as exc:
+                self.reject(ctx.peer_id, exc.code.value)
+                raise
+
+        return counted
 
     def tick(self, peers: list[tuple[str, float, bool]], now: float | None = None) -> None:
         """Integrate price × time since the last tick for every ``(peer_id, price, alive)``."""

@@ -5,12 +5,13 @@ run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signa
 not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
 staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
-behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``).
-Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
+behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``) →
+rewards by the task verifier, for episodes by replay (``env_mismatch``, ``learner/replay.py``,
+counted against the peer like a log-prob mismatch). Accepted groups go to the ``StalenessBuffer``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
-recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
-keeps the last S+1 published versions); if that snapshot is gone the check is skipped and
+recomputed with the snapshot of the claimed behaviour version (the broadcaster's store keeps
+every version within S of the newest); if that snapshot is gone the check is skipped and
 counted (``spot_checks_skipped``). A mismatch beyond tolerance settles the lease as refused
 (its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
 peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
@@ -35,14 +36,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
+from pydantic import Field
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.learner.config import LeaseFields
+from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
@@ -50,35 +54,31 @@ from echorl.protocol.messages import (
     Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeasePrompt, LeaseRequest, LeaseReturn, Message,
     SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
 )
+from echorl.tasks.env import is_episodic
 
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
-from echorl.learner.ledger import Ledger, count_tokens
+from echorl.learner.ledger import Ledger
 from echorl.learner.spot_check import SpotChecker
 from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.learner")
 
 
-@dataclass
-class LeasePolicy:
-    staleness: int = 4
-    group_size: int = 8
-    prompts_per_step: int = 16
-    prompts_per_lease: int = 8
-    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``lease_seconds``)
-    liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
-    ping_timeout_s: float = 3.0
-    heartbeat_s: float = 2.0
-    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
+class LeasePolicy(LeaseFields):
+    """The lease service's settings: the :class:`LeaseFields` section of the learner's config
+    plus the sampling spec leases carry (taken from the task and the trainer)."""
+
+    sampling: SamplingSpec = Field(default_factory=lambda: SamplingSpec(
         temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
-    activation: str = "all"  # "all": every node is leased work; "cost": cheapest sufficient set (DESIGN §7)
-    activation_margin: float = 0.25  # base margin over the required throughput (plus the observed loss rate)
-    activation_interval_s: float = 2.0  # re-decide this often; also the standby nodes' retry_after_s
-    activation_loss_window_s: float = 300.0  # node losses counted for the preemption margin
-    activation_hysteresis: float = 0.25  # extra margin a decision must meet to park a currently active node
+    """what every lease asks the node to sample with"""
+
+    @classmethod
+    def of(cls, cfg: LeaseFields, sampling: SamplingSpec) -> "LeasePolicy":
+        """The policy of a learner config, field by field (no field is named here)."""
+        return cls(**cfg.model_dump(include=set(LeaseFields.model_fields)), sampling=sampling)
 
     @property
     def version_lag(self) -> int:
@@ -161,7 +161,7 @@ class LearnerService:
         self.ban_after = 3  # mismatches before a peer is refused leases (0: never)
         self.mismatches: dict[str, int] = {}  # peer id -> spot-check mismatches (flags survive re-joins)
         self.counters.update({"spot_checks": 0, "spot_checks_skipped": 0, "rollouts_rejected_logprob": 0,
-                              "peers_flagged": 0, "peers_banned": 0})
+                              "rollouts_rejected_env": 0, "peers_flagged": 0, "peers_banned": 0})
         self.spot_check_seconds = 0.0
         self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
         # cost-aware activation: the current decision (None: everyone active), the required Σμ
@@ -175,13 +175,8 @@ class LearnerService:
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
         self.host = host
-        for proto, handler, req in (
-            (routes.JOIN, self.on_join, JoinRequest), (routes.LEASE, self.on_lease, LeaseRequest),
-            (routes.SUBMIT, self.on_submit, Submit), (routes.RETURN, self.on_return, LeaseReturn),
-            (routes.STATUS, self.on_status, StatusRequest),
-        ):
-            host.route(proto, handler, request=req, max_request_bytes=routes.MAX_REQUEST_BYTES[proto],
-                       rate=routes.RATES[proto])
+        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.on_lease, routes.SUBMIT: self.ledger.counting(self.on_submit),
+                    routes.RETURN: self.on_return, routes.STATUS: self.on_status})
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
         rec = self.peers.get(ctx.peer_id)
@@ -240,7 +235,8 @@ class LearnerService:
         timeout_s = pol.lease_seconds(n, peer.rollouts_per_s, float(peer.capability.tokens_per_s))
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
-                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
+                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p))
+                              for p in prompts],
                      group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
                      deadline_s=timeout_s)
 
@@ -248,14 +244,6 @@ class LearnerService:
         return LeaseDeferred(run_id=self.run_id, reason=reason, want_version=want_version, retry_after_s=retry_after_s)
 
     async def on_submit(self, msg: Message, ctx: RequestContext) -> Message:
-        """``_submit``; a refusal is counted against the (authenticated) remote peer by reason."""
-        try:
-            return await self._submit(msg, ctx)
-        except ProtocolError as exc:
-            self.ledger.reject(ctx.peer_id, exc.code.value)
-            raise
-
-    async def _submit(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, Submit)
         try:
             if msg.run_id != self.run_id:
@@ -281,7 +269,13 @@ class LearnerService:
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
-        rewards = await trio.to_thread.run_sync(self.buffer.score, groups)  # the verifier: off the event loop
+        try:  # the verifier (episodes: the replay), off the event loop
+            rewards = await trio.to_thread.run_sync(self.buffer.score, groups)
+        except ReplayMismatch as exc:
+            self.counters["rollouts_rejected_env"] += 1
+            self._count_against(ctx.peer_id, rec, msg.nonce, "env_mismatch")
+            log.warning("replay refused an episode of %s: %s", short_id(ctx.peer_id), exc)
+            raise ProtocolError(ErrorCode.ENV_MISMATCH, f"episode differs from the learner's replay: {exc}"[:512]) from None
         # the spot check and the verifier ran in worker threads: the lease may have been settled
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
@@ -296,9 +290,7 @@ class LearnerService:
         peer.groups_generated += len(groups)
         peer.version = max(peer.version, b)
         self.accepted.set()
-        receipt = self.ledger.accept(ctx.peer_id, rec.lease_id, len(groups), accepted, count_tokens(kept), b,
-                                     self.version)
-        receipt = await trio.to_thread.run_sync(wire.sign, receipt, self.identity)
+        receipt = await self.ledger.issue(ctx.peer_id, rec.lease_id, len(groups), kept, b, self.version)
         return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version, receipt=receipt)
 
     def _open_lease(self, msg: Submit, ctx: RequestContext) -> LeaseRecord:
@@ -331,23 +323,29 @@ class LearnerService:
             self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
             return
         self.counters["rollouts_rejected_logprob"] += 1
+        n = self._count_against(peer_id, rec, nonce, "logprob_mismatch")
+        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
+                    short_id(peer_id), version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
+                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
+                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+
+    def _count_against(self, peer_id: str, rec: LeaseRecord, nonce: bytes, how: str) -> int:
+        """A forged submission: settle it refused, flag the peer, ban at ``ban_after``; the count."""
         if self.book.active.get(rec.lease_id) is rec:  # not settled meanwhile
-            self._settle_refused(rec, nonce, "logprob_mismatch")
+            self._settle_refused(rec, nonce, how)
         n = self.mismatches.get(peer_id, 0) + 1
         self.mismatches[peer_id] = n
         if n == 1:
             self.counters["peers_flagged"] += 1
-        self.spot.flag(peer_id)
-        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    short_id(peer_id), version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        if self.spot is not None:
+            self.spot.flag(peer_id)
         if self.banned(peer_id) and n == self.ban_after:
             self.counters["peers_banned"] += 1
             for gone in self.book.expire_peer(peer_id):
                 self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d log-prob mismatches", short_id(peer_id), n)
-        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
-                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
-                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", short_id(peer_id), n)
+        return n
 
     def banned(self, peer_id: str) -> bool:
         return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
@@ -363,6 +361,8 @@ class LearnerService:
         if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
             raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
         stop = self.policy.sampling.stop
+        episodic = is_episodic(self.task)
+        limit = self.task.max_episode_tokens if episodic else self.policy.sampling.max_new_tokens
         out = []
         for g in msg.groups:
             if len(g.samples) != rec.group_size:
@@ -370,12 +370,16 @@ class LearnerService:
             prompt = by_id[g.prompt_id]
             samples = []
             for s in g.samples:
-                if len(s.token_ids) > self.policy.sampling.max_new_tokens or any(t >= self.vocab_size for t in s.token_ids):
+                if len(s.token_ids) > limit or any(t >= self.vocab_size for t in s.token_ids):
                     raise ProtocolError(ErrorCode.SCHEMA, "completion too long or token id out of vocabulary")
+                if (s.model_mask is not None) != episodic:
+                    raise ProtocolError(ErrorCode.SCHEMA, "an episode needs a model_mask, a completion has none")
                 text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                 cuts = [text.find(x) for x in stop if x in text]
-                text = text[: min(cuts)] if cuts else text
-                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text))
+                text = text[: min(cuts)] if cuts and not episodic else text
+                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text,
+                                           mask=None if s.model_mask is None else list(s.model_mask),
+                                           reward=float(s.reward_hint) if episodic else None))
             ids = list(self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
             out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
                                   [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))
