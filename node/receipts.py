@@ -81,8 +81,8 @@ def read_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 
 @dataclass
 class Verified:
-    """What a receipts file proves: the receipts that verify (one per (learner, seq)) and why
-    each other line was refused."""
+    """What a receipts file proves: the receipts that verify (a copied line counts once; ``seq``
+    restarts with the learner process, so it is not the key) and why each other line was refused."""
 
     receipts: list[Receipt] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
@@ -96,7 +96,7 @@ def verify_file(path: str | Path, learner_id: str | None = None) -> Verified:
     without it each receipt must verify against the learner it names (then ``learners()`` says
     whose receipts they are: a self-signed forgery shows up as another learner)."""
     out = Verified()
-    seen: set[tuple[str, int]] = set()
+    seen: set[bytes] = set()  # signatures: Ed25519 is deterministic, so a copied line repeats one
     for n, line in read_lines(path):
         try:
             receipt = decode_line(line)
@@ -104,10 +104,9 @@ def verify_file(path: str | Path, learner_id: str | None = None) -> Verified:
         except ProtocolError as exc:
             out.refused.append((n, f"{exc.code.value}: {exc}"[:200]))
             continue
-        key = (receipt.learner_peer_id, receipt.seq)
-        if key in seen:
+        if receipt.signature in seen:
             out.refused.append((n, f"duplicate of receipt {receipt.seq}"))
             continue
-        seen.add(key)
+        seen.add(receipt.signature)
         out.receipts.append(receipt)
     return out
