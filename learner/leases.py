@@ -4,6 +4,8 @@ A lease is issued to one peer for a list of prompts. It is settled exactly once 
 a refusal of that result, a return, or expiry); afterwards its id is remembered so a repeated
 or late submission is refused (``replay`` if it was settled by a result, ``unknown_lease`` if
 it expired or was returned). Submission nonces are remembered too (bounded memory).
+
+``LeasePolicy``: how much work a node at version b may be leased, and for how long.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from echorl.learner.loop import leasable_min_version, version_lag
 from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.messages import SamplingSpec
 from echorl.tasks.base import Prompt
 
 
@@ -107,3 +111,53 @@ class LeaseBook:
         table[key] = value
         while len(table) > self.MAX_REMEMBERED:
             table.popitem(last=False)
+
+
+@dataclass
+class LeasePolicy:
+    staleness: int = 4
+    group_size: int = 8
+    prompts_per_step: int = 16
+    prompts_per_lease: int = 8
+    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``lease_seconds``)
+    liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
+    ping_timeout_s: float = 3.0
+    heartbeat_s: float = 2.0
+    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
+        temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
+    activation: str = "all"  # "all": every node is leased work; "cost": cheapest sufficient set (DESIGN §7)
+    activation_margin: float = 0.25  # base margin over the required throughput (plus the observed loss rate)
+    activation_interval_s: float = 2.0  # re-decide this often; also the standby nodes' retry_after_s
+    activation_loss_window_s: float = 300.0  # node losses counted for the preemption margin
+    activation_hysteresis: float = 0.25  # extra margin a decision must meet to park a currently active node
+
+    @property
+    def version_lag(self) -> int:
+        return version_lag(self.staleness)
+
+    @property
+    def in_flight_cap(self) -> int:
+        """Buffered + leased prompts allowed, so results stay within the staleness bound."""
+        return self.prompts_per_step * max(1, self.staleness - self.version_lag)
+
+    def min_version(self, learner_version: int, published: int) -> int:
+        """Oldest node version still leased work (the rule shared with train-local)."""
+        return leasable_min_version(learner_version, published, self.staleness)
+
+    def lease_seconds(self, n_prompts: int, groups_per_s: float, tokens_per_s: float) -> float:
+        """A lease's deadline: ``lease_timeout_s``, or 4× the node's expected time for it when
+        that is longer (measured group throughput, else its declared tokens/s at full length),
+        at most 20× ``lease_timeout_s``. A dead holder is found by the liveness sweep long before."""
+        if groups_per_s > 0:
+            expected = n_prompts / groups_per_s
+        else:
+            expected = n_prompts * self.group_size * self.sampling.max_new_tokens / max(tokens_per_s, 1e-3)
+        return min(max(self.lease_timeout_s, 4.0 * expected), 20.0 * self.lease_timeout_s)
+
+    def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
+        """Prompts a node at version b may be leased now. Groups are trained in arrival order,
+        B per step, so a prompt with X prompts in flight before it (itself included) is trained
+        at version t + ⌈X/B⌉ − 1; its staleness stays ≤ S iff X ≤ B·(S + 1 − (t − b)); the
+        margin takes one step off, and ``in_flight_cap`` bounds X for fresh nodes."""
+        steps_left = self.staleness + 1 - self.version_lag - (learner_version - node_version)
+        return min(self.in_flight_cap, self.prompts_per_step * steps_left) - in_flight

@@ -174,56 +174,57 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """Run the learner until ``cfg.steps`` are done or SIGTERM/SIGINT."""
-    from echorl.learner.train import Trainer
-    from echorl.net.host import HostConfig, open_host
-    from echorl.learner.resume import redial, restore_service, service_state
-    from echorl.learner.service import LearnerService, LeasePolicy
-    from echorl.net.transport import UploadLimiter
     from echorl.broadcast.weight_store import WeightStore
+    from echorl.learner.resume import redial
+    from echorl.learner.service import LearnerService, LeasePolicy
+    from echorl.learner.train import NetworkSource, Provisioning, build_loop, sampling_spec
+    from echorl.net.host import HostConfig, open_host
+    from echorl.net.transport import UploadLimiter
 
     identity = _identity(cfg)
-    trainer = await trio.to_thread.run_sync(Trainer.build, cfg)
+    loop = await trio.to_thread.run_sync(build_loop, cfg)
     if cfg.resume:
-        await _resume(cfg, trainer)
-    trainer.open_metrics()
-    policy = LeasePolicy(staleness=cfg.staleness, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-                         prompts_per_lease=cfg.prompts_per_lease, lease_timeout_s=cfg.lease_timeout_s,
-                         liveness_after_s=cfg.liveness_after_s, sampling=trainer.sampling_spec(),
-                         activation=cfg.activation, activation_margin=cfg.activation_margin)
-    service = LearnerService(identity, cfg.run_id, trainer.task, trainer.tokenizer, trainer.buffer, policy,
-                             trainer.vocab_size)
-    service.version = service.published = trainer.grpo.version
-    service.required_fn = trainer.required_rollouts_per_s
+        await _resume(cfg, loop)
+    loop.open_metrics()
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
     # the last S+1 published versions: every behaviour version still acceptable (t − b ≤ S) has
     # its snapshot at hand for spot checks (and for the nodes' fallback fetch)
     store = WeightStore(identity, cfg.run_id, keep=max(2, cfg.staleness + 1), upload_limit=limiter)
-    if cfg.spot_check_fraction > 0:
-        service.spot = await _spot_checker(cfg, trainer, store)
-        service.ban_after = cfg.spot_check_ban_after
-    remembered = restore_service(service, trainer.resume_extra.get("service", {}))
-    trainer.service_state = lambda: service_state(service)
+    spot = await _spot_checker(cfg, loop, store) if cfg.spot_check_fraction > 0 else None
+    policy = LeasePolicy(staleness=cfg.staleness, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+                         prompts_per_lease=cfg.prompts_per_lease, lease_timeout_s=cfg.lease_timeout_s,
+                         liveness_after_s=cfg.liveness_after_s, sampling=sampling_spec(loop),
+                         activation=cfg.activation, activation_margin=cfg.activation_margin)
+    provisioning = Provisioning(loop)
+    service = LearnerService(identity, cfg.run_id, loop.task, loop.eval_backend.tokenizer, loop.buffer, policy,
+                             int(loop.grpo.model.config.vocab_size), version=lambda: loop.version,
+                             published=loop.version, required=provisioning.required_rollouts_per_s,
+                             summary=lambda: loop.summary, spot=spot, ban_after=cfg.spot_check_ban_after)
+    loop.attach("service", service)
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
             service.install(host)
             store.install(host)
             async with trio.open_nursery() as nursery:
-                publisher = await _start_publishing(cfg, host, identity, trainer, service, store, limiter, nursery)
-                membership = await _announce(cfg, host, nursery, task_status)
+                publisher = await _start_publishing(cfg, host, identity, loop, provisioning, service, store, limiter,
+                                                    nursery)
+                loop.attach("publisher", publisher)
+                await _announce(cfg, host, nursery, task_status)
                 nursery.start_soon(service.maintain)
-                nursery.start_soon(redial, host, remembered)  # nodes that knew our old address
-                nursery.start_soon(_stop_on_signal, trainer, service, nursery.cancel_scope)
-                await trainer.loop(service, publisher, membership)
-                if not trainer.stopping:  # the final version reaches the nodes
+                nursery.start_soon(redial, host, service.remembered_addrs)  # nodes that knew our old address
+                nursery.start_soon(_stop_on_signal, loop, service, nursery.cancel_scope)
+                await loop.run(NetworkSource(service, publisher, provisioning))
+                if not loop.stopping:  # the final version reaches the nodes
                     await publisher.drain(cfg.broadcast_timeout_s)
                 if cfg.checkpoint_dir:
-                    await trainer.checkpoint()
+                    await loop.checkpoint()
+                log.info("done at v%d: eval_reward %s -> %s", loop.version, loop.first_eval, loop.last_eval)
                 nursery.cancel_scope.cancel()
     finally:
-        trainer.close()
+        loop.close()
 
 
-async def _spot_checker(cfg: LearnerConfig, trainer: Any, store: Any) -> Any:
+async def _spot_checker(cfg: LearnerConfig, loop: Any, store: Any) -> Any:
     """Spot checker over the snapshots held by the weight store and a scratch copy of the
     model, taken now (in a worker thread), before training starts: the checker never touches
     the trainer's model, and nothing is loaded from disk while another thread trains."""
@@ -231,8 +232,8 @@ async def _spot_checker(cfg: LearnerConfig, trainer: Any, store: Any) -> Any:
 
     from echorl.learner.spot_check import SpotChecker, store_snapshots
 
-    scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(trainer.grpo.model))
-    return SpotChecker(lambda: scratch, trainer.tokenizer, trainer.sampling_spec().temperature,
+    scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(loop.grpo.model))
+    return SpotChecker(lambda: scratch, loop.eval_backend.tokenizer, loop.settings.temperature,
                        cfg.spot_check_fraction, store_snapshots(store), tolerance_mean=cfg.spot_check_tolerance_mean,
                        tolerance_max=cfg.spot_check_tolerance_max)
 
@@ -250,20 +251,21 @@ def _identity(cfg: LearnerConfig) -> Any:
     return Identity.generate()
 
 
-async def _resume(cfg: LearnerConfig, trainer: Any) -> None:
-    if not await trio.to_thread.run_sync(trainer.resume):
+async def _resume(cfg: LearnerConfig, loop: Any) -> None:
+    """Load the newest checkpoint; its run id wins over the configured one (same run)."""
+    if not await trio.to_thread.run_sync(loop.resume):
         log.info("no checkpoint in %s: starting a new run", cfg.checkpoint_dir)
         return
-    run_id = trainer.resume_extra.get("run_id") or cfg.run_id
+    run_id = loop.resumed_extra.get("run_id") or cfg.run_id
     if run_id != cfg.run_id:
         log.warning("run id %r from the checkpoint replaces %r", run_id, cfg.run_id)
         cfg.run_id = run_id
-    log.info("resumed run %s at version %d (%d prompts pending)", cfg.run_id, trainer.grpo.version,
-             len(trainer.buffer.pending_prompts()))
+    log.info("resumed run %s at version %d (%d prompts pending)", cfg.run_id, loop.version,
+             len(loop.buffer.pending_prompts()))
 
 
-async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, trainer: Any, service: Any, store: Any,
-                            limiter: Any, nursery: trio.Nursery) -> Any:
+async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, loop: Any, provisioning: Any, service: Any,
+                            store: Any, limiter: Any, nursery: trio.Nursery) -> Any:
     """Broadcaster + publication task; the current version (0, or the resumed one) is
     published as a full snapshot before any node can join."""
     from echorl.broadcast.broadcaster import Broadcaster
@@ -274,8 +276,8 @@ async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, traine
                      done_timeout_s=cfg.broadcast_timeout_s)
     bc.install()
     await nursery.start(bc.run)
-    publisher = Publisher(bc, store, service, timeout_s=cfg.broadcast_timeout_s, on_record=trainer.on_broadcast)
-    await publisher.publish(trainer.grpo.version, await trio.to_thread.run_sync(trainer.grpo.state_dict))
+    publisher = Publisher(bc, store, service, timeout_s=cfg.broadcast_timeout_s, on_record=provisioning.on_broadcast)
+    await publisher.publish(loop.version, await trio.to_thread.run_sync(loop.grpo.state_dict))
     await nursery.start(publisher.run)
     return publisher
 
@@ -298,18 +300,17 @@ async def _announce(cfg: LearnerConfig, host: Any, nursery: trio.Nursery, task_s
     return membership if cfg.dht else None
 
 
-async def _stop_on_signal(trainer: Any, service: Any, scope: trio.CancelScope) -> None:
+async def _stop_on_signal(loop: Any, service: Any, scope: trio.CancelScope) -> None:
     """First SIGTERM/SIGINT: finish the current step, checkpoint (with a checkpoint dir), exit;
     a second one cancels at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for sig in signals:
-            if trainer.stopping:
+            if loop.stopping:
                 scope.cancel()
                 return
             log.info("signal %s: stopping after the current step", signal.Signals(sig).name)
-            trainer.stopping = True
-            service.stopping = True
-            service.accepted.set()
+            loop.stop()
+            service.stop()
 
 
 def config_dict(cfg: LearnerConfig) -> dict[str, Any]:

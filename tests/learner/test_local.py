@@ -35,7 +35,7 @@ def test_bad_config_gives_clear_error(args, fragment):
 
 
 KEYS = {"step", "version", "reward_mean", "eval_reward", "rollouts_accepted", "rollouts_rejected_stale",
-        "staleness_max", "staleness_mean", "learner_busy_frac", "seconds"}
+        "staleness_max", "staleness_mean", "busy_fraction", "elapsed_s", "staleness_step_max"}
 
 
 def test_short_run_metrics_and_resume(tmp_path):
