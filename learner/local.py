@@ -86,7 +86,7 @@ def _build(args: argparse.Namespace, task: Any) -> tuple[Any, Path]:
     from echorl.actor.model import build_default_model
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
-    from echorl.learner.loop import LoopSettings, TrainingLoop
+    from echorl.learner.loop import TrainingLoop
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -94,12 +94,19 @@ def _build(args: argparse.Namespace, task: Any) -> tuple[Any, Path]:
     grpo = GRPOTrainer(model_dir, GRPOConfig(lr=args.lr, clip_low=args.clip, clip_high=args.clip, kl_coef=args.kl_coef,
                                              loss_norm=args.loss_norm, temperature=args.temperature))
     backend = TorchBackend(grpo.model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
-    settings = LoopSettings(
+    return TrainingLoop(loop_settings(args), task, grpo, StalenessBuffer(args.staleness, scorer=task.reward),
+                        backend), model_dir
+
+
+def loop_settings(args: argparse.Namespace) -> Any:
+    """train-local's arguments, as the shared loop reads them."""
+    from echorl.learner.loop import LoopSettings
+
+    return LoopSettings(
         steps=args.steps, staleness=args.staleness, prompts_per_step=args.prompts_per_step,
         publish_every=args.publish_every, eval_every=args.eval_every, seed=args.seed, temperature=args.temperature,
         top_p=args.top_p, checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
         metrics_out=args.metrics_out or "", meta={"task": args.task, "seed": args.seed})
-    return TrainingLoop(settings, task, grpo, StalenessBuffer(args.staleness, scorer=task.reward), backend), model_dir
 
 
 def _run_local(args: argparse.Namespace, task: Any) -> int:

@@ -43,12 +43,16 @@ def build_loop(cfg: "LearnerConfig") -> TrainingLoop:
     backend = TorchBackend.from_pretrained(model_dir)
     grpo = GRPOTrainer(backend.model, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip,
                                                  temperature=cfg.temperature))
-    settings = LoopSettings(
+    return TrainingLoop(loop_settings(cfg), task, grpo, StalenessBuffer(cfg.staleness, scorer=task.reward), backend)
+
+
+def loop_settings(cfg: "LearnerConfig") -> LoopSettings:
+    """The learner peer's configuration, as the shared loop reads it."""
+    return LoopSettings(
         steps=cfg.steps, staleness=cfg.staleness, prompts_per_step=cfg.prompts_per_step,
         publish_every=cfg.publish_every, eval_every=cfg.eval_every, eval_prompts=cfg.eval_prompts, seed=cfg.seed,
         temperature=cfg.temperature, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
         metrics_out=cfg.metrics_out, meta={"run_id": cfg.run_id, "task": cfg.task, "seed": cfg.seed})
-    return TrainingLoop(settings, task, grpo, StalenessBuffer(cfg.staleness, scorer=task.reward), backend)
 
 
 def sampling_spec(loop: TrainingLoop) -> SamplingSpec:
