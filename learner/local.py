@@ -95,7 +95,7 @@ def _build(args: argparse.Namespace, task: Any) -> tuple[Any, Path]:
                                              loss_norm=args.loss_norm, temperature=args.temperature))
     backend = TorchBackend(grpo.model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
     return TrainingLoop(loop_settings(args), task, grpo, StalenessBuffer(args.staleness, scorer=task.reward),
-                        backend), model_dir
+                        backend, keep_rows=True), model_dir
 
 
 def loop_settings(args: argparse.Namespace) -> Any:
@@ -155,7 +155,7 @@ async def _show_progress(bar: Any, job: Any, loop: Any) -> None:
     import trio
 
     while True:
-        row = loop.rows[-1] if loop.rows else None
+        row = loop.last_row
         if row is not None and row["step"] > 0:
             ev = loop.last_eval if loop.last_eval is not None else float("nan")
             bar.update(job, completed=row["step"], description=(
@@ -228,6 +228,7 @@ class ActorSource:
     async def wait(self) -> None:
         import trio
 
+        self._lease_more()
         self._accepted = trio.Event()
         with trio.move_on_after(1.0):
             await self._accepted.wait()
@@ -243,19 +244,25 @@ class ActorSource:
         publish_weights(self.weights_dir, state_dict, version, keep=max(8, self.args.staleness + self.loop.kappa + 2))
         self.published = version
 
+    def after_step(self) -> None:
+        """Lease between steps, after a publication: a lease issued while a step trains would be
+        generated with weights one step older and arrive closer to the staleness bound."""
+        self._lease_more()
+
     def metrics(self) -> dict[str, Any]:
         return {"published_version": self.published, "leases_expired": self.leases_expired,
                 "leases_issued": self.lease_id, "actor_generate_seconds": self.gen_s}
 
     # --- leases and results --------------------------------------------------------------
     async def pump(self, task_status: Any = None) -> None:
-        """Forever: lease out work, take results in, expire overdue leases."""
+        """Forever: take results in, expire overdue leases (work is leased out by ``wait`` and
+        ``after_step``, and once here at the start)."""
         import trio
 
         if task_status is not None:
             task_status.started()
+        self._lease_more()
         while True:
-            self._lease_more()
             for res in await trio.to_thread.run_sync(self._results, 0.2):
                 await self._take(res)
             self._expire(time.time())

@@ -63,6 +63,9 @@ class RolloutSource(Protocol):
     async def publish(self, version: int, state_dict: dict[str, Any]) -> None:
         """Make ``version`` available to the actors (never waits for a broadcast)."""
 
+    def after_step(self) -> None:
+        """A step (and its publication, if any) is done: a moment to hand out more work."""
+
     def metrics(self) -> dict[str, Any]:
         """Source-specific fields of the metrics row (may override the loop's)."""
 
@@ -89,7 +92,8 @@ class LoopSettings:
 class TrainingLoop:
     """GRPO steps over the buffer, evaluation, publication every κ steps, checkpoints, metrics."""
 
-    def __init__(self, settings: LoopSettings, task: Any, grpo: Any, buffer: Any, eval_backend: Any) -> None:
+    def __init__(self, settings: LoopSettings, task: Any, grpo: Any, buffer: Any, eval_backend: Any, *,
+                 keep_rows: bool = False) -> None:
         self.settings, self.task, self.grpo, self.buffer = settings, task, grpo, buffer
         self.eval_backend = eval_backend
         self.parts: dict[str, Stateful] = {"buffer": buffer}
@@ -103,7 +107,8 @@ class TrainingLoop:
         self.t_first: float | None = None  # when the first batch was trained
         self.started = time.monotonic()
         self.summary: dict[str, Any] = {}
-        self.rows: list[dict[str, Any]] = []  # this run's rows (train-local's summary table)
+        self.last_row: dict[str, Any] | None = None
+        self.rows: list[dict[str, Any]] | None = [] if keep_rows else None  # every row of this run, if kept
         self._window = [time.monotonic(), 0]
         self._metrics_file: Any = None
 
@@ -268,6 +273,7 @@ class TrainingLoop:
         if v % self.kappa == 0 or final:
             await source.publish(v, await trio.to_thread.run_sync(self.grpo.state_dict))
         self.busy_s += time.perf_counter() - t0
+        source.after_step()
         self._window[1] += len(batch)
         row = self._row(metrics, max(t - g.behaviour_version for g in batch))
         row.update(source.metrics())
@@ -316,7 +322,9 @@ class TrainingLoop:
         return out
 
     def _write(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
+        self.last_row = row
+        if self.rows is not None:
+            self.rows.append(row)
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps(row) + "\n")
             self._metrics_file.flush()

@@ -94,6 +94,9 @@ class NetworkSource:
     async def publish(self, version: int, state_dict: dict[str, Any]) -> None:
         self.publisher.offer(version, state_dict)
 
+    def after_step(self) -> None:
+        """Nodes ask for leases themselves (paced by ``LeasePolicy.room``)."""
+
     def metrics(self) -> dict[str, Any]:
         service, publisher, prov = self.service, self.publisher, self.provisioning
         c = service.counters

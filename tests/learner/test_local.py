@@ -59,5 +59,9 @@ def test_short_run_metrics_and_resume(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[-1]["rollouts_accepted"] == 20  # the buffer's counters continue across the resume
+    assert rows[-1]["prompts_trained_twice"] == 0  # the loop's trained ids too
     state = json.loads((ck / (ck / "LATEST").read_text() / "state.json").read_text())
     assert state["version"] == 5
+    assert {"loop", "buffer", "task", "seed"} <= set(state["extra"])  # assembled from the components
+    assert len(state["extra"]["loop"]["trained_prompt_ids"]) == 20
