@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 r = rows[-1]
                 last_step = r.get("step", 0)
                 ev = next((x["eval_reward"] for x in reversed(rows) if x.get("eval_reward") is not None), None)
-                print(f"  step {last_step:4d}/{args.steps}  reward {r.get('reward_mean', 0):.3f}  eval "
+                print(f"  step {last_step:4d}/{args.steps}  reward {r.get('reward_mean') or 0.0:.3f}  eval "
                       f"{ev if ev is None else round(ev, 3)}  nodes {r.get('nodes_active', '-')}  "
                       f"staleness_max {r.get('staleness_max', '-')}  {time.monotonic() - t0:.0f} s", flush=True)
             dead = [p for p in procs[1:] if p.poll() is not None]
