@@ -8,7 +8,8 @@ optimizer, version, RNG, task cursor; ``extra`` holds each component's ``state_d
 metrics row, checkpoints — fed by a rollout source), ``local.py`` (``echorl train-local``: that
 loop fed by actor worker processes, no network).
 
-The learner peer (``echorl learner``): ``peer.py`` (``LearnerConfig``, startup wiring),
+The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
+typed settings), ``peer.py`` (startup wiring),
 ``service.py`` (``LearnerService``: join, lease, submit, return and status handlers, where
 untrusted input is checked), ``leases.py`` (``LeaseBook``, ``LeasePolicy``), ``activation.py``
 (cost-aware choice of active nodes), ``spot_check.py`` (``SpotChecker``: re-scores submitted

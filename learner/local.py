@@ -22,62 +22,37 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echorl import config
+from echorl.learner.config import TrainLocalConfig
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="addition", help="built-in task name or module:Class")
-    p.add_argument("--task-option", action="append", metavar="KEY=VALUE", help="task constructor option (repeatable)")
-    p.add_argument("--model", default=None, help="local HF model directory (default: build/reuse the tiny default model)")
-    p.add_argument("--steps", type=int, default=400, help="train until this many optimizer steps (versions)")
-    p.add_argument("--staleness", type=int, default=0, help="S: use a rollout of version b at step t iff t-b <= S")
-    p.add_argument("--publish-every", type=int, default=None, help="κ: publish weights every κ steps (default max(1, S-1))")
-    p.add_argument("--actors", type=int, default=3, help="actor worker processes")
-    p.add_argument("--actor-delay", type=float, default=0.2, help="seconds before a published version is visible to actors")
-    p.add_argument("--group-size", type=int, default=8, help="G samples per prompt")
-    p.add_argument("--prompts-per-step", type=int, default=16, help="accepted groups per optimizer step")
-    p.add_argument("--lease-prompts", type=int, default=4, help="prompts per lease")
-    p.add_argument("--max-inflight", type=int, default=None, help="prompts leased at once (default B if S=0 else 2B)")
-    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (0 leaves the weights untouched)")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model")
-    p.add_argument("--loss-norm", choices=["token", "sequence"], default="token", help="average the loss over tokens or over sequences")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0, help="seed of prompt order, sampling, and the default model")
-    p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period in steps (and at the end)")
-    p.add_argument("--metrics-out", default=None, help="JSONL file, one line per step")
-    p.add_argument("--checkpoint-dir", default=None, help="where to write checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--work-dir", default=None, help="scratch directory for published weights (default: a temp dir)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    config.add_arguments(p, TrainLocalConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from echorl.tasks import TaskError, load_task, parse_task_options
+    cfg = config.configured(TrainLocalConfig, args, "train-local")
+    if isinstance(cfg, int):
+        return cfg
+    from echorl.tasks import load_task
 
-    if args.steps < 0 or args.staleness < 0 or args.actors < 1 or args.group_size < 2 or args.prompts_per_step < 1:
-        print("echorl train-local: need --steps >= 0, --staleness >= 0, --actors >= 1, --group-size >= 2, "
-              "--prompts-per-step >= 1", file=sys.stderr)
-        return 2
-    if args.resume and not args.checkpoint_dir:
-        print("echorl train-local: --resume needs --checkpoint-dir", file=sys.stderr)
-        return 2
     try:
-        options = parse_task_options(args.task_option)
-        if args.task == "addition":
-            options.setdefault("seed", args.seed)
-        task = load_task(args.task, **options)
-    except TaskError as exc:
-        print(f"echorl train-local: {exc}", file=sys.stderr)
+        if cfg.resume and not cfg.checkpoint_dir:
+            raise config.ConfigError("--resume needs --checkpoint-dir")
+        if cfg.task == "addition":
+            cfg.task_options.setdefault("seed", cfg.seed)
+        task = load_task(cfg.task, **cfg.task_options)  # TaskError is a ValueError
+        cfg.check_model()
+        device = cfg.pin_device()
+    except ValueError as exc:
+        config.fail("train-local", exc)
         return 2
-    if args.model and not (Path(args.model) / "config.json").is_file():
-        print(f"echorl train-local: --model {args.model} is not a HF model directory (no config.json)", file=sys.stderr)
-        return 2
-    return _run_local(args, task)
+    print(f"echorl train-local: learner and actors on {device}", file=sys.stderr, flush=True)
+    return _run_local(cfg, task)
 
 
-def _build(args: argparse.Namespace, task: Any) -> tuple[Any, Path]:
+def _build(cfg: TrainLocalConfig, task: Any) -> tuple[Any, Path]:
     """The shared training loop over this run's model, GRPO trainer and buffer."""
     import torch
     from transformers import AutoTokenizer
@@ -87,47 +62,50 @@ def _build(args: argparse.Namespace, task: Any) -> tuple[Any, Path]:
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
     from echorl.learner.loop import TrainingLoop
+    from echorl.learner.replay import group_scorer
 
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    model_dir = Path(args.model) if args.model else build_default_model(seed=args.seed)
-    grpo = GRPOTrainer(model_dir, GRPOConfig(lr=args.lr, clip_low=args.clip, clip_high=args.clip, kl_coef=args.kl_coef,
-                                             loss_norm=args.loss_norm, temperature=args.temperature))
-    backend = TorchBackend(grpo.model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
-    return TrainingLoop(loop_settings(args), task, grpo, StalenessBuffer(args.staleness, scorer=task.reward),
-                        backend, keep_rows=True), model_dir
+    torch.manual_seed(cfg.seed)
+    model_dir = Path(cfg.model) if cfg.model else build_default_model(seed=cfg.seed)
+    grpo = GRPOTrainer(model_dir, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef,
+                                             loss_norm=cfg.loss_norm, temperature=cfg.temperature, device=cfg.device,
+                                             dtype=cfg.dtype))
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    replay = group_scorer(task, tok)  # episodic tasks: rewards come from replaying the episodes
+    buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)
+    return TrainingLoop(loop_settings(cfg), task, grpo, buffer, TorchBackend(grpo.model, tok), keep_rows=True), model_dir
 
 
-def loop_settings(args: argparse.Namespace) -> Any:
-    """train-local's arguments, as the shared loop reads them."""
+def loop_settings(cfg: TrainLocalConfig) -> Any:
+    """train-local's configuration, as the shared loop reads it."""
     from echorl.learner.loop import LoopSettings
 
     return LoopSettings(
-        steps=args.steps, staleness=args.staleness, prompts_per_step=args.prompts_per_step,
-        publish_every=args.publish_every, eval_every=args.eval_every, seed=args.seed, temperature=args.temperature,
-        top_p=args.top_p, checkpoint_dir=args.checkpoint_dir or "", checkpoint_every=args.checkpoint_every,
-        metrics_out=args.metrics_out or "", meta={"task": args.task, "seed": args.seed})
+        steps=cfg.steps, staleness=cfg.staleness, prompts_per_step=cfg.prompts_per_step,
+        publish_every=cfg.publish_every, eval_every=cfg.eval_every, seed=cfg.seed, temperature=cfg.temperature,
+        top_p=cfg.top_p, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
+        metrics_out=cfg.metrics_out, meta={"task": cfg.task, "seed": cfg.seed})
 
 
-def _run_local(args: argparse.Namespace, task: Any) -> int:
+def _run_local(cfg: TrainLocalConfig, task: Any) -> int:
     import tempfile
 
     import trio
     from rich.console import Console
 
     console = Console(stderr=True)
-    loop, model_dir = _build(args, task)
-    if args.resume:
+    loop, model_dir = _build(cfg, task)
+    if cfg.resume:
         loop.resume()
     with tempfile.TemporaryDirectory(prefix="echorl-local-") as tmp:
-        weights_dir = Path(args.work_dir or tmp) / "weights"
-        source = ActorSource(args, loop, model_dir, weights_dir)
+        weights_dir = Path(cfg.work_dir or tmp) / "weights"
+        source = ActorSource(cfg, loop, model_dir, weights_dir)
         source.publish_now(loop.version, loop.grpo.state_dict())
         loop.open_metrics()
         source.start()
         t0 = time.perf_counter()
         try:
-            trio.run(_train, loop, source, console, args)
+            trio.run(_train, loop, source, console, cfg)
         finally:
             source.close()
             loop.close()
@@ -135,18 +113,18 @@ def _run_local(args: argparse.Namespace, task: Any) -> int:
     return 0
 
 
-async def _train(loop: Any, source: "ActorSource", console: Any, args: argparse.Namespace) -> None:
+async def _train(loop: Any, source: "ActorSource", console: Any, cfg: TrainLocalConfig) -> None:
     import trio
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]train-local"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, disable=args.quiet) as bar:
-        job = bar.add_task("", total=args.steps, completed=loop.version)
+                  TextColumn("{task.description}"), console=console, disable=cfg.quiet) as bar:
+        job = bar.add_task("", total=cfg.steps, completed=loop.version)
         async with trio.open_nursery() as nursery:
             await nursery.start(source.pump)
             nursery.start_soon(_show_progress, bar, job, loop)
             await loop.run(source)
-            if args.checkpoint_dir:
+            if cfg.checkpoint_dir:
                 await loop.checkpoint()
             nursery.cancel_scope.cancel()
 
@@ -173,10 +151,13 @@ class ActorSource:
 
     LEASE_TIMEOUT_S = 120.0
 
-    def __init__(self, args: argparse.Namespace, loop: Any, model_dir: Path, weights_dir: Path) -> None:
-        self.args, self.loop, self.model_dir, self.weights_dir = args, loop, model_dir, weights_dir
-        b = args.prompts_per_step
-        self.max_inflight = args.max_inflight or (b if args.staleness == 0 else 2 * b)
+    def __init__(self, cfg: TrainLocalConfig, loop: Any, model_dir: Path, weights_dir: Path) -> None:
+        from echorl.tasks.env import env_options_of, is_episodic
+
+        self.cfg, self.loop, self.model_dir, self.weights_dir = cfg, loop, model_dir, weights_dir
+        self.env = (cfg.task, env_options_of(loop.task)) if is_episodic(loop.task) else None
+        b = cfg.prompts_per_step
+        self.max_inflight = cfg.max_inflight or (b if cfg.staleness == 0 else 2 * b)
         self.leases: dict[int, tuple[list[Any], float]] = {}
         self.lease_id = self.leases_expired = 0
         self.published = -1
@@ -194,9 +175,10 @@ class ActorSource:
         self.lease_q, self.result_q, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.procs = [
             ctx.Process(target=actor_main, daemon=True, name=f"echorl-actor-{i}",
-                        args=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
-                              self.stop, self.args.actor_delay, self.args.seed * 100 + i))
-            for i in range(self.args.actors)
+                        cfg=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
+                              self.stop, self.cfg.actor_delay, self.cfg.seed * 100 + i, self.cfg.device,
+                              self.cfg.dtype))
+            for i in range(self.cfg.actors)
         ]
         for p in self.procs:
             p.start()
@@ -241,7 +223,7 @@ class ActorSource:
     def publish_now(self, version: int, state_dict: dict[str, Any]) -> None:
         from echorl.actor.worker import publish_weights
 
-        publish_weights(self.weights_dir, state_dict, version, keep=max(8, self.args.staleness + self.loop.kappa + 2))
+        publish_weights(self.weights_dir, state_dict, version, keep=max(8, self.cfg.staleness + self.loop.kappa + 2))
         self.published = version
 
     def after_step(self) -> None:
@@ -276,10 +258,10 @@ class ActorSource:
         min_version = self.loop.min_version(self.published)
         params = self.loop.sampling_params()
         while (room := self.max_inflight - len(buffer.outstanding) - len(buffer)) > 0:
-            prompts = buffer.next_prompts(self.loop.task, min(self.args.lease_prompts, room))
+            prompts = buffer.next_prompts(self.loop.task, min(self.cfg.lease_prompts, room))
             self.lease_id += 1
             self.leases[self.lease_id] = (prompts, time.time() + self.LEASE_TIMEOUT_S)
-            self.lease_q.put(Lease(self.lease_id, prompts, self.args.group_size, params, min_version))
+            self.lease_q.put(Lease(self.lease_id, prompts, self.cfg.group_size, params, min_version, self.env))
 
     def _results(self, timeout: float) -> list[Any]:
         """Every result waiting in the queue (blocking up to ``timeout`` for the first)."""

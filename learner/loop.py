@@ -208,11 +208,18 @@ class TrainingLoop:
         """Mean task reward of one sampled completion per held-out prompt, with the run's seed
         (the same prompts and samples for the same weights); ``full``: every held-out prompt,
         else the first ``eval_prompts``. Runs in a worker thread."""
+        from echorl.tasks.env import is_episodic
+
         prompts = self.task.eval_prompts()
         if not full and self.settings.eval_prompts > 0:
             prompts = prompts[: self.settings.eval_prompts]
+        seed = self.settings.seed + EVAL_SEED_OFFSET
+        if is_episodic(self.task):  # one sampled episode per held-out environment seed
+            from echorl.actor.episodes import evaluate
+
+            return evaluate(self.eval_backend, self.task, prompts, self.sampling_params(), seed), len(prompts)
         ids = [self.eval_backend.encode(p.text) for p in prompts]
-        samples = self.eval_backend.sample_ids(ids, self.sampling_params(), seed=self.settings.seed + EVAL_SEED_OFFSET)
+        samples = self.eval_backend.sample_ids(ids, self.sampling_params(), seed=seed)
         return sum(self.task.reward(p, s.text) for p, s in zip(prompts, samples)) / max(1, len(prompts)), len(prompts)
 
     async def _eval(self, full: bool) -> dict[str, Any]:

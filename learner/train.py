@@ -12,7 +12,7 @@ from echorl.learner.loop import LoopSettings, TrainingLoop
 from echorl.protocol.messages import SamplingSpec
 
 if TYPE_CHECKING:
-    from echorl.learner.peer import LearnerConfig
+    from echorl.learner.config import LearnerConfig
     from echorl.learner.publish import BroadcastRecord, Publisher
     from echorl.learner.service import LearnerService
 
@@ -32,18 +32,23 @@ def build_loop(cfg: "LearnerConfig") -> TrainingLoop:
     import torch
 
     from echorl.actor.backend import TorchBackend
+    from echorl.actor.device import resolve_device
     from echorl.actor.model import build_default_model
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+    from echorl.learner.replay import group_scorer
     from echorl.tasks import load_task
 
     torch.manual_seed(cfg.seed)
     model_dir = cfg.model or str(build_default_model(seed=cfg.seed))
     task = load_task(cfg.task, **cfg.task_options)
-    backend = TorchBackend.from_pretrained(model_dir)
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)
     grpo = GRPOTrainer(backend.model, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip,
-                                                 temperature=cfg.temperature))
-    return TrainingLoop(loop_settings(cfg), task, grpo, StalenessBuffer(cfg.staleness, scorer=task.reward), backend)
+                                                 temperature=cfg.temperature, device=device, dtype=dtype))
+    replay = group_scorer(task, backend.tokenizer)  # episodic tasks: rewards come from replaying the episodes
+    buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)
+    return TrainingLoop(loop_settings(cfg), task, grpo, buffer, backend)
 
 
 def loop_settings(cfg: "LearnerConfig") -> LoopSettings:
@@ -110,6 +115,7 @@ class NetworkSource:
             "rollouts_rejected_invalid": c["rollouts_rejected_invalid"],
             "submissions_rejected_replay": c["submissions_rejected_replay"],
             "rollouts_rejected_logprob": c["rollouts_rejected_logprob"],
+            "rollouts_rejected_env": c["rollouts_rejected_env"],
             "spot_checks": c["spot_checks"], "spot_checks_skipped": c["spot_checks_skipped"],
             "spot_check_seconds": service.spot_check_seconds,
             "spot_check_passed_max_abs_diff": service.spot_check_passed_max_abs_diff,

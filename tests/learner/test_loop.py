@@ -6,7 +6,6 @@ one fixed sample of the held-out set."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import time
@@ -19,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from echorl.learner import local, train  # noqa: E402
 from echorl.learner.buffer import StalenessBuffer  # noqa: E402
 from echorl.learner.loop import TrainingLoop  # noqa: E402
-from echorl.learner.peer import LearnerConfig  # noqa: E402
+from echorl.learner.config import LearnerConfig, TrainLocalConfig  # noqa: E402
 from echorl.learner.publish import Publisher  # noqa: E402
 from echorl.learner.service import LearnerService, LeasePolicy, PeerRecord  # noqa: E402
 from echorl.net.host import RequestContext  # noqa: E402
@@ -35,17 +34,11 @@ class _Version:
         self.version = version
 
 
-def _local_args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    local.add_arguments(p)
-    return p.parse_args(list(argv))
-
-
 def _loops(staleness: int, publish_every: int | None) -> tuple[TrainingLoop, TrainingLoop, _Version]:
     task = load_task("addition", digits=2, seed=0, n_eval=16)
     grpo = _Version()
-    argv = ["--staleness", str(staleness)] + (["--publish-every", str(publish_every)] if publish_every else [])
-    local_loop = TrainingLoop(local.loop_settings(_local_args(*argv)), task, grpo, StalenessBuffer(staleness), None)
+    local_cfg = TrainLocalConfig(staleness=staleness, publish_every=publish_every or 0)
+    local_loop = TrainingLoop(local.loop_settings(local_cfg), task, grpo, StalenessBuffer(staleness), None)
     cfg = LearnerConfig(staleness=staleness, publish_every=publish_every or 0)
     peer_loop = TrainingLoop(train.loop_settings(cfg), task, grpo, StalenessBuffer(staleness), None)
     return local_loop, peer_loop, grpo
@@ -79,7 +72,7 @@ def test_both_lease_paths_issue_the_loops_min_version(staleness):
     grpo.version, published = 9, 8
     want = local_loop.min_version(published)
 
-    source = local.ActorSource(_local_args("--staleness", str(staleness)), local_loop, None, None)
+    source = local.ActorSource(TrainLocalConfig(staleness=staleness), local_loop, None, None)
     source.published, source.lease_q = published, queue.Queue()
     source._lease_more()
     lease = source.lease_q.get_nowait()
@@ -114,7 +107,7 @@ def test_load_state_dict_refuses_unexpected_keys():
     assert [p.prompt_id for p in fresh.pending_prompts()] == [p.prompt_id for p in buffer.pending_prompts()]
     assert fresh.rollouts_rejected_stale == 5
 
-    loop = TrainingLoop(local.loop_settings(_local_args()), task, _Version(), StalenessBuffer(2), None)
+    loop = TrainingLoop(local.loop_settings(TrainLocalConfig()), task, _Version(), StalenessBuffer(2), None)
     publisher = Publisher(None, None, None)  # type: ignore[arg-type]
     parts = [(StalenessBuffer(2), saved, "buffer"), (loop, loop.state_dict(), "training loop"),
              (publisher, publisher.state_dict(), "publisher")]
@@ -142,8 +135,7 @@ def _real_loop(tiny, tmp_path, **settings) -> TrainingLoop:
 
     backend = TorchBackend.from_pretrained(tiny)
     task = load_task("addition", digits=2, seed=0, n_eval=16)
-    args = _local_args("--staleness", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--seed", "3")
-    s = local.loop_settings(args)
+    s = local.loop_settings(TrainLocalConfig(staleness=2, checkpoint_dir=str(tmp_path / "ck"), seed=3))
     for k, v in settings.items():
         setattr(s, k, v)
     return TrainingLoop(s, task, GRPOTrainer(backend.model, GRPOConfig()), StalenessBuffer(2), backend)
