@@ -175,7 +175,7 @@ class ActorSource:
         self.lease_q, self.result_q, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.procs = [
             ctx.Process(target=actor_main, daemon=True, name=f"echorl-actor-{i}",
-                        cfg=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
+                        args=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
                               self.stop, self.cfg.actor_delay, self.cfg.seed * 100 + i, self.cfg.device,
                               self.cfg.dtype))
             for i in range(self.cfg.actors)

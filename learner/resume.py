@@ -47,8 +47,6 @@ def decode_service_state(state: Any) -> tuple[dict[str, int], dict[str, list[str
             log.warning("checkpoint: ignoring mismatch entry %r: %r", peer_id, n)
             continue
         mismatches[peer_id] = n
-    if mismatches:
-        log.info("restored spot-check mismatch counts of %d peers", len(mismatches))
     addrs: dict[str, list[str]] = {}
     for peer_id, lst in list(_dict(state, "peer_addrs").items())[:MAX_REMEMBERED_PEERS]:
         if isinstance(peer_id, str) and isinstance(lst, list) and all(isinstance(a, str) for a in lst):

@@ -156,6 +156,9 @@ class LearnerService:
         self.mismatches, self.remembered_addrs = decode_service_state(state)
         for peer_id in self.mismatches if self.spot is not None else ():
             self.spot.flag(peer_id)
+        if self.mismatches:
+            log.info("restored spot-check flags of %d peers (%d banned)", len(self.mismatches),
+                     sum(self.banned(p) for p in self.mismatches))
 
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
