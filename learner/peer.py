@@ -5,14 +5,14 @@ Kademlia server (first bootstrap peer, signed learner record), serves join/lease
 status, and trains one step each time ``prompts_per_step`` fresh groups are buffered. Every κ-th
 version (``publish_every``) goes out through the pipelined broadcast (``broadcast/broadcaster.py``:
 deltas, a full snapshot every ``full_every`` publications) from a publication task that runs
-beside training; the same bytes stay available to the direct fetch (``broadcast/weight_store.py``) as
-the nodes' fallback. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
+beside training; the broadcaster's one chunk store also serves catch-up and the nodes' direct
+fetch. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
 newest completed broadcast and the provisioning rule of DESIGN §7:
 required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
 
 A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed
-with the snapshot of the claimed version (``learner/spot_check.py``; the weight store keeps the last
-S+1 published versions for it); a mismatch refuses the submission with ``logprob_mismatch`` and
+with the snapshot of the claimed version (``learner/spot_check.py``; the broadcaster's store keeps
+every version within S of the newest rebuildable for it); a mismatch refuses the submission with ``logprob_mismatch`` and
 flags the peer, whose submissions are then all checked; after ``spot_check_ban_after`` (3)
 mismatches it is refused leases.
 
@@ -78,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """Run the learner until ``cfg.steps`` are done or SIGTERM/SIGINT."""
-    from echorl.broadcast.weight_store import WeightStore
     from echorl.learner.resume import redial
     from echorl.learner.service import LearnerService, LeasePolicy
     from echorl.learner.train import NetworkSource, Provisioning, build_loop, sampling_spec
@@ -91,24 +90,21 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
         await _resume(cfg, loop)
     loop.open_metrics()
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
-    # the last S+1 published versions: every behaviour version still acceptable (t − b ≤ S) has
-    # its snapshot at hand for spot checks (and for the nodes' fallback fetch)
-    store = WeightStore(identity, cfg.run_id, keep=max(2, cfg.staleness + 1), upload_limit=limiter)
-    spot = await _spot_checker(cfg, loop, store) if cfg.spot_check_fraction > 0 else None
-    policy = LeasePolicy.of(cfg, sampling_spec(loop))
     provisioning = Provisioning(loop)
-    service = LearnerService(identity, cfg.run_id, loop.task, loop.eval_backend.tokenizer, loop.buffer, policy,
-                             int(loop.grpo.model.config.vocab_size), version=lambda: loop.version,
-                             published=loop.version, required=provisioning.required_rollouts_per_s,
-                             summary=lambda: loop.summary, spot=spot, ban_after=cfg.spot_check_ban_after)
-    loop.attach("service", service)
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+            bc = _broadcaster(cfg, host, identity, limiter)
+            # every version a rollout may still claim (t − b ≤ S) is rebuildable from the broadcaster
+            spot = await _spot_checker(cfg, loop, bc.version_bytes) if cfg.spot_check_fraction > 0 else None
+            service = LearnerService(identity, cfg.run_id, loop.task, loop.eval_backend.tokenizer, loop.buffer,
+                                     LeasePolicy.of(cfg, sampling_spec(loop)), int(loop.grpo.model.config.vocab_size),
+                                     version=lambda: loop.version, published=loop.version,
+                                     required=provisioning.required_rollouts_per_s, summary=lambda: loop.summary,
+                                     spot=spot, ban_after=cfg.spot_check_ban_after)
+            loop.attach("service", service)
             service.install(host)
-            store.install(host)
             async with trio.open_nursery() as nursery:
-                publisher = await _start_publishing(cfg, host, identity, loop, provisioning, service, store, limiter,
-                                                    nursery)
+                publisher = await _start_publishing(cfg, bc, loop, provisioning, service, nursery)
                 loop.attach("publisher", publisher)
                 await _announce(cfg, host, nursery, task_status)
                 nursery.start_soon(service.maintain)
@@ -125,17 +121,17 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
         loop.close()
 
 
-async def _spot_checker(cfg: LearnerConfig, loop: Any, store: Any) -> Any:
-    """Spot checker over the snapshots held by the weight store and a scratch copy of the
-    model, taken now (in a worker thread), before training starts: the checker never touches
-    the trainer's model, and nothing is loaded from disk while another thread trains."""
+async def _spot_checker(cfg: LearnerConfig, loop: Any, snapshots: Any) -> Any:
+    """Spot checker over a scratch copy of the model, taken now (in a worker thread), before
+    training starts: the checker never touches the trainer's model, and nothing is loaded from
+    disk while another thread trains. ``snapshots``: the broadcaster's retained versions."""
     import copy
 
-    from echorl.learner.spot_check import SpotChecker, store_snapshots
+    from echorl.learner.spot_check import SpotChecker
 
     scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(loop.grpo.model))
     return SpotChecker(lambda: scratch, loop.eval_backend.tokenizer, loop.settings.temperature,
-                       cfg.spot_check_fraction, store_snapshots(store), tolerance_mean=cfg.spot_check_tolerance_mean,
+                       cfg.spot_check_fraction, snapshots, tolerance_mean=cfg.spot_check_tolerance_mean,
                        tolerance_max=cfg.spot_check_tolerance_max)
 
 
@@ -165,19 +161,24 @@ async def _resume(cfg: LearnerConfig, loop: Any) -> None:
              len(loop.buffer.pending_prompts()))
 
 
-async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, loop: Any, provisioning: Any, service: Any,
-                            store: Any, limiter: Any, nursery: trio.Nursery) -> Any:
+def _broadcaster(cfg: LearnerConfig, host: Any, identity: Any, limiter: Any) -> Any:
+    """The broadcaster (it keeps the last S+1 published versions: the spot checks' snapshots)."""
+    from echorl.broadcast.broadcaster import Broadcaster
+
+    return Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
+                       full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
+                       done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness)
+
+
+async def _start_publishing(cfg: LearnerConfig, bc: Any, loop: Any, provisioning: Any, service: Any,
+                            nursery: trio.Nursery) -> Any:
     """Broadcaster + publication task; the current version (0, or the resumed one) is
     published as a full snapshot before any node can join."""
-    from echorl.broadcast.broadcaster import Broadcaster
     from echorl.learner.publish import Publisher
 
-    bc = Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
-                     full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
-                     done_timeout_s=cfg.broadcast_timeout_s)
     bc.install()
     await nursery.start(bc.run)
-    publisher = Publisher(bc, store, service, timeout_s=cfg.broadcast_timeout_s, on_record=provisioning.on_broadcast)
+    publisher = Publisher(bc, service, timeout_s=cfg.broadcast_timeout_s, on_record=provisioning.on_broadcast)
     await publisher.publish(loop.version, await trio.to_thread.run_sync(loop.grpo.state_dict))
     await nursery.start(publisher.run)
     return publisher

@@ -108,7 +108,7 @@ def test_load_state_dict_refuses_unexpected_keys():
     assert fresh.rollouts_rejected_stale == 5
 
     loop = TrainingLoop(local.loop_settings(TrainLocalConfig()), task, _Version(), StalenessBuffer(2), None)
-    publisher = Publisher(None, None, None)  # type: ignore[arg-type]
+    publisher = Publisher(None, None)  # type: ignore[arg-type]
     parts = [(StalenessBuffer(2), saved, "buffer"), (loop, loop.state_dict(), "training loop"),
              (publisher, publisher.state_dict(), "publisher")]
     for part, good, owner in parts:
