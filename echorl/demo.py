@@ -162,8 +162,8 @@ def run(ns: argparse.Namespace) -> int:
             if rows and rows[-1].get("step", 0) != last_step:
                 r = rows[-1]
                 last_step = r.get("step", 0)
-                ev = next((x["eval_reward"] for x in reversed(rows) if "eval_reward" in x), None)
-                print(f"  step {last_step:4d}/{args.steps}  reward {r.get('reward_mean', 0):.3f}  eval "
+                ev = next((x["eval_reward"] for x in reversed(rows) if x.get("eval_reward") is not None), None)
+                print(f"  step {last_step:4d}/{args.steps}  reward {r.get('reward_mean') or 0.0:.3f}  eval "
                       f"{ev if ev is None else round(ev, 3)}  nodes {r.get('nodes_active', '-')}  "
                       f"staleness_max {r.get('staleness_max', '-')}  {time.monotonic() - t0:.0f} s", flush=True)
             dead = [p for p in procs[1:] if p.poll() is not None]
@@ -180,7 +180,7 @@ def run(ns: argparse.Namespace) -> int:
 
 def _summary(metrics: Path, rc: int | None, seconds: float, args: DemoConfig) -> int:
     rows = _rows(metrics)
-    evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
+    evals = [r["eval_reward"] for r in rows if r.get("eval_reward") is not None]
     steps = [r for r in rows if r.get("step", 0) > 0]
     if not steps or not evals:
         print("no training steps recorded", file=sys.stderr)

@@ -3,15 +3,17 @@
 RL core (no network): ``grpo.py`` (``GRPOTrainer``, ``GRPOConfig``: the clipped GRPO loss on
 per-token behaviour log-probs), ``buffer.py`` (``StalenessBuffer``: accepts a rollout group only
 if t − b ≤ S, scores it off the event loop), ``checkpoint.py`` (atomic checkpoints: model,
-optimizer, version, RNG, task cursor, pending prompts), ``local.py`` (``echorl train-local``:
-the same GRPO with actor worker processes and no network).
+optimizer, version, RNG, task cursor; ``extra`` holds each component's ``state_dict``),
+``loop.py`` (``TrainingLoop``: the one training loop — κ, leasable version, evaluation,
+metrics row, checkpoints — fed by a rollout source), ``local.py`` (``echorl train-local``: that
+loop fed by actor worker processes, no network).
 
 The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
 typed settings), ``peer.py`` (startup wiring),
 ``service.py`` (``LearnerService``: join, lease, submit, return and status handlers, where
-untrusted input is checked), ``leases.py`` (``LeaseBook``), ``activation.py`` (cost-aware choice
-of active nodes), ``spot_check.py`` (``SpotChecker``: re-scores submitted log-probs),
-``train.py`` (``Trainer``: the GRPO loop over network rollouts, metrics, provisioning rule),
+untrusted input is checked), ``leases.py`` (``LeaseBook``, ``LeasePolicy``), ``activation.py``
+(cost-aware choice of active nodes), ``spot_check.py`` (``SpotChecker``: re-scores submitted
+log-probs), ``train.py`` (the loop fed by network rollouts: ``NetworkSource``, provisioning rule),
 ``publish.py`` (``Publisher``: broadcasting a version overlaps training), ``resume.py`` (what a
 checkpoint keeps of the network side: bans, node addresses).
 

@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Callable, Protocol
 
 from echorl.actor.types import RolloutGroup
+from echorl.learner.checkpoint import check_state_keys
 from echorl.learner.replay import ReplayMismatch
 from echorl.tasks.base import Prompt
 
@@ -180,6 +181,27 @@ class StalenessBuffer:
     def staleness_mean(self) -> float:
         """Mean staleness of all groups used so far."""
         return self._staleness_sum / self.rollouts_accepted if self.rollouts_accepted else 0.0
+
+    _COUNTERS = ("rollouts_accepted", "rollouts_rejected_stale", "rollouts_rejected_unknown",
+                 "rollouts_rejected_invalid", "staleness_max")
+
+    def state_dict(self) -> dict[str, object]:
+        """Every prompt not trained yet (re-queued first on load, so none is skipped or
+        repeated) and the counters, so a resumed run's totals continue."""
+        return {"pending": [p.to_dict() for p in self.pending_prompts()],
+                "counters": {**{k: getattr(self, k) for k in self._COUNTERS}, "staleness_sum": self._staleness_sum}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Re-queue the saved pending prompts and restore the counters (into a fresh buffer)."""
+        state = check_state_keys("buffer", state, {"pending", "counters"})
+        counters = check_state_keys("buffer counters", state.get("counters", {}), {*self._COUNTERS, "staleness_sum"})
+        pending = state.get("pending", [])
+        if not isinstance(pending, list):
+            raise ValueError(f"buffer pending must be a list, not {type(pending).__name__}")
+        self.requeue([Prompt.from_dict(d) for d in pending])
+        for k in self._COUNTERS:
+            setattr(self, k, int(counters.get(k, 0)))
+        self._staleness_sum = int(counters.get("staleness_sum", 0))
 
     def counters(self) -> dict[str, float]:
         return {

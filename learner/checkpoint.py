@@ -40,6 +40,17 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def check_state_keys(owner: str, state: Any, allowed: set[str]) -> dict[str, Any]:
+    """``state`` as a dict whose keys are all in ``allowed``; a clear error otherwise (a
+    checkpoint written by another version of the code, or a hand-edited one)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner} state must be a dict, not {type(state).__name__}")
+    unexpected = sorted(set(state) - allowed)
+    if unexpected:
+        raise ValueError(f"unexpected keys in {owner} state: {unexpected} (known: {sorted(allowed)})")
+    return state
+
+
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch RNG states as JSON-friendly values."""
     import numpy as np

@@ -2,7 +2,7 @@
 
 One pydantic model per role, built from sections so each field is defined once:
 :class:`TrainingFields` (task, model, batch shape, GRPO, checkpoints: both roles),
-:class:`LeaseFields` (what the network service reads; ``LeasePolicy`` in ``service.py`` is this
+:class:`LeaseFields` (what the network service reads; ``LeasePolicy`` in ``leases.py`` is this
 section plus the sampling spec, built from a :class:`LearnerConfig` by field name), and the
 learner's own broadcast / spot-check fields. Fields whose default differs between roles (steps,
 staleness, evaluation period) are typed once here as ``Annotated`` aliases. The command line is

@@ -4,6 +4,8 @@ A lease is issued to one peer for a list of prompts. It is settled exactly once 
 a refusal of that result, a return, or expiry); afterwards its id is remembered so a repeated
 or late submission is refused (``replay`` if it was settled by a result, ``unknown_lease`` if
 it expired or was returned). Submission nonces are remembered too (bounded memory).
+
+``LeasePolicy``: how much work a node at version b may be leased, and for how long.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pydantic import Field
+
+from echorl.learner.config import LeaseFields
+from echorl.learner.loop import leasable_min_version, version_lag
 from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.messages import SamplingSpec
 from echorl.tasks.base import Prompt
 
 
@@ -107,3 +114,48 @@ class LeaseBook:
         table[key] = value
         while len(table) > self.MAX_REMEMBERED:
             table.popitem(last=False)
+
+
+class LeasePolicy(LeaseFields):
+    """The lease service's settings: the :class:`LeaseFields` section of the learner's config
+    plus the sampling spec leases carry (taken from the task and the trainer)."""
+
+    sampling: SamplingSpec = Field(default_factory=lambda: SamplingSpec(
+        temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
+    """what every lease asks the node to sample with"""
+
+    @classmethod
+    def of(cls, cfg: LeaseFields, sampling: SamplingSpec) -> "LeasePolicy":
+        """The policy of a learner config, field by field (no field is named here)."""
+        return cls(**cfg.model_dump(include=set(LeaseFields.model_fields)), sampling=sampling)
+
+    @property
+    def version_lag(self) -> int:
+        return version_lag(self.staleness)
+
+    @property
+    def in_flight_cap(self) -> int:
+        """Buffered + leased prompts allowed, so results stay within the staleness bound."""
+        return self.prompts_per_step * max(1, self.staleness - self.version_lag)
+
+    def min_version(self, learner_version: int, published: int) -> int:
+        """Oldest node version still leased work (the rule shared with train-local)."""
+        return leasable_min_version(learner_version, published, self.staleness)
+
+    def lease_seconds(self, n_prompts: int, groups_per_s: float, tokens_per_s: float) -> float:
+        """A lease's deadline: ``lease_timeout_s``, or 4× the node's expected time for it when
+        that is longer (measured group throughput, else its declared tokens/s at full length),
+        at most 20× ``lease_timeout_s``. A dead holder is found by the liveness sweep long before."""
+        if groups_per_s > 0:
+            expected = n_prompts / groups_per_s
+        else:
+            expected = n_prompts * self.group_size * self.sampling.max_new_tokens / max(tokens_per_s, 1e-3)
+        return min(max(self.lease_timeout_s, 4.0 * expected), 20.0 * self.lease_timeout_s)
+
+    def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
+        """Prompts a node at version b may be leased now. Groups are trained in arrival order,
+        B per step, so a prompt with X prompts in flight before it (itself included) is trained
+        at version t + ⌈X/B⌉ − 1; its staleness stays ≤ S iff X ≤ B·(S + 1 − (t − b)); the
+        margin takes one step off, and ``in_flight_cap`` bounds X for fresh nodes."""
+        steps_left = self.staleness + 1 - self.version_lag - (learner_version - node_version)
+        return min(self.in_flight_cap, self.prompts_per_step * steps_left) - in_flight

@@ -7,14 +7,15 @@ one GRPO step per batch of ``--prompts-per-step`` accepted groups and publishes 
 one JSON line per learner step (``--metrics-out``), shows a rich progress bar and prints a
 summary. Heavy imports stay inside functions so ``--help`` is fast.
 
-``learner_busy_frac`` = time inside ``train_step`` + publishing, divided by the wall time since
-the first rollout arrived (actor start-up excluded) minus the time spent on held-out evaluation.
+The training itself is the learner peer's loop (``learner/loop.py``: the same κ, leasable
+version, evaluation, metrics row and checkpoint); :class:`ActorSource` is its rollout source here.
+``busy_fraction`` = time inside ``train_step`` + publishing, divided by the wall time since the
+first step minus the time spent on held-out evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -48,90 +49,147 @@ def run(args: argparse.Namespace) -> int:
         config.fail("train-local", exc)
         return 2
     print(f"echorl train-local: learner and actors on {device}", file=sys.stderr, flush=True)
-    return _Loop(cfg, task).run()
+    return _run_local(cfg, task)
 
 
-class _Loop:
-    """State of one local training run (kept in one object to keep ``run`` readable)."""
+def _build(cfg: TrainLocalConfig, task: Any) -> tuple[Any, Path]:
+    """The shared training loop over this run's model, GRPO trainer and buffer."""
+    import torch
+    from transformers import AutoTokenizer
 
-    def __init__(self, args: TrainLocalConfig, task: Any) -> None:
-        self.args, self.task = args, task
+    from echorl.actor.backend import TorchBackend
+    from echorl.actor.model import build_default_model
+    from echorl.learner.buffer import StalenessBuffer
+    from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+    from echorl.learner.loop import TrainingLoop
+    from echorl.learner.replay import group_scorer
 
-    def setup(self) -> None:
-        import tempfile
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model_dir = Path(cfg.model) if cfg.model else build_default_model(seed=cfg.seed)
+    grpo = GRPOTrainer(model_dir, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef,
+                                             loss_norm=cfg.loss_norm, temperature=cfg.temperature, device=cfg.device,
+                                             dtype=cfg.dtype))
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    replay = group_scorer(task, tok)  # episodic tasks: rewards come from replaying the episodes
+    buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)
+    return TrainingLoop(loop_settings(cfg), task, grpo, buffer, TorchBackend(grpo.model, tok), keep_rows=True), model_dir
 
-        import torch
 
-        from echorl.actor.backend import TorchBackend
-        from echorl.actor.model import build_default_model
-        from echorl.actor.types import SamplingParams
-        from echorl.learner.buffer import StalenessBuffer
-        from echorl.learner.grpo import GRPOConfig, GRPOTrainer
-        from echorl.tasks.env import env_options_of
+def loop_settings(cfg: TrainLocalConfig) -> Any:
+    """train-local's configuration, as the shared loop reads it."""
+    from echorl.learner.loop import LoopSettings
 
-        a = self.args
-        torch.set_num_threads(1)
-        torch.manual_seed(a.seed)
-        self.model_dir = Path(a.model) if a.model else build_default_model(seed=a.seed)
-        cfg = GRPOConfig(lr=a.lr, clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
-                         loss_norm=a.loss_norm, temperature=a.temperature, device=a.device, dtype=a.dtype)
-        self.trainer = GRPOTrainer(self.model_dir, cfg)
-        from transformers import AutoTokenizer
+    return LoopSettings(
+        steps=cfg.steps, staleness=cfg.staleness, prompts_per_step=cfg.prompts_per_step,
+        publish_every=cfg.publish_every, eval_every=cfg.eval_every, seed=cfg.seed, temperature=cfg.temperature,
+        top_p=cfg.top_p, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
+        metrics_out=cfg.metrics_out, meta={"task": cfg.task, "seed": cfg.seed})
 
-        from echorl.learner.replay import group_scorer
-        from echorl.tasks import is_episodic
 
-        tok = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-        replay = group_scorer(self.task, tok)  # episodic tasks: rewards come from replaying the episodes
-        self.buffer = StalenessBuffer(a.staleness, scorer=None if replay else self.task.reward, group_scorer=replay)
-        self.env = (a.task, env_options_of(self.task)) if is_episodic(self.task) else None
-        self.kappa = a.publish_every or max(1, a.staleness - 1)
-        self.B = a.prompts_per_step
-        self.max_inflight = a.max_inflight or (self.B if a.staleness == 0 else 2 * self.B)
-        self.params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
-                                     max_new_tokens=int(getattr(self.task, "max_new_tokens", 32)),
-                                     stop=list(getattr(self.task, "stop", []) or []))
-        self.eval_backend = TorchBackend(self.trainer.model, tok)
-        self.eval_set = self.task.eval_prompts()
-        self.eval_ids = [self.eval_backend.encode(p.text) for p in self.eval_set]
-        self._tmp = None
-        if a.work_dir:
-            self.weights_dir = Path(a.work_dir) / "weights"
-        else:
-            self._tmp = tempfile.TemporaryDirectory(prefix="echorl-local-")
-            self.weights_dir = Path(self._tmp.name) / "weights"
-        self.resumed = False
-        if a.resume:
-            from echorl.learner.checkpoint import has_checkpoint, load_checkpoint, restore_trainer
+def _run_local(cfg: TrainLocalConfig, task: Any) -> int:
+    import tempfile
 
-            if has_checkpoint(a.checkpoint_dir):
-                ck = load_checkpoint(a.checkpoint_dir)
-                restore_trainer(self.trainer, ck)
-                self.task.seek(ck.cursor)
-                self.buffer.requeue(ck.pending)
-                self.resumed = True
+    import trio
+    from rich.console import Console
 
-    def evaluate(self) -> float:
+    console = Console(stderr=True)
+    loop, model_dir = _build(cfg, task)
+    if cfg.resume:
+        loop.resume()
+    with tempfile.TemporaryDirectory(prefix="echorl-local-") as tmp:
+        weights_dir = Path(cfg.work_dir or tmp) / "weights"
+        source = ActorSource(cfg, loop, model_dir, weights_dir)
+        source.publish_now(loop.version, loop.grpo.state_dict())
+        loop.open_metrics()
+        source.start()
         t0 = time.perf_counter()
-        if self.env is not None:
-            from echorl.actor.episodes import evaluate
+        try:
+            trio.run(_train, loop, source, console, cfg)
+        finally:
+            source.close()
+            loop.close()
+    _summary(console, loop, source, model_dir, time.perf_counter() - t0)
+    return 0
 
-            score = evaluate(self.eval_backend, self.task, self.eval_set, self.params, self.args.seed + 7919)
-            self.eval_s += time.perf_counter() - t0
-            return score
-        samples = self.eval_backend.sample_ids(self.eval_ids, self.params, seed=self.args.seed + 7919)
-        score = sum(self.task.reward(p, s.text) for p, s in zip(self.eval_set, samples)) / len(samples)
-        self.eval_s += time.perf_counter() - t0
-        return score
 
-    def publish(self) -> None:
-        from echorl.actor.worker import publish_weights
+async def _train(loop: Any, source: "ActorSource", console: Any, cfg: TrainLocalConfig) -> None:
+    import trio
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        publish_weights(self.weights_dir, self.trainer.state_dict(), self.trainer.version,
-                        keep=max(8, self.args.staleness + self.kappa + 2))
-        self.published = self.trainer.version
+    plain = not cfg.quiet and not console.is_terminal  # a log file: plain lines, not a collapsed bar
+    with Progress(TextColumn("[bold]train-local"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, disable=cfg.quiet or plain) as bar:
+        job = bar.add_task("", total=cfg.steps, completed=loop.version)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(source.pump)
+            if plain:
+                loop.sinks.append(_PlainLines(loop))
+            else:
+                nursery.start_soon(_show_progress, bar, job, loop)
+            await loop.run(source)
+            if cfg.checkpoint_dir:
+                await loop.checkpoint()
+            nursery.cancel_scope.cancel()
 
-    def start_actors(self) -> None:
+
+def _progress_line(row: dict[str, Any], last_eval: float | None) -> str:
+    return (f"reward {row['reward_mean']:.3f} eval {'-' if last_eval is None else f'{last_eval:.3f}'} "
+            f"stale≤{row['staleness_step_max']} rejected {row['rollouts_rejected_stale']} busy {row['busy_fraction']:.3f}")
+
+
+async def _show_progress(bar: Any, job: Any, loop: Any) -> None:
+    import trio
+
+    while True:
+        row = loop.last_row
+        if row is not None and row["step"] > 0:
+            bar.update(job, completed=row["step"], description=_progress_line(row, loop.last_eval))
+        await trio.sleep(0.2)
+
+
+class _PlainLines:
+    """A metrics sink for output that is not a terminal (a log file): a line every 10 steps, on
+    each eval and at the end, where a progress bar would collapse into one truncated line."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+
+    def write(self, row: dict[str, Any]) -> None:
+        step, steps = row["step"], self.loop.settings.steps
+        if step > 0 and (step % 10 == 0 or row.get("eval_reward") is not None or step == steps):
+            print(f"train-local step {step}/{steps} {row['elapsed_s']:.0f} s {_progress_line(row, self.loop.last_eval)}",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class ActorSource:
+    """Rollouts from A actor worker processes through multiprocessing queues: leases out
+    prompts (at most ``max_inflight`` at once, for the loop's leasable version), takes their
+    groups into the loop's buffer, re-queues expired leases, publishes versions into a
+    directory the actors read. Queue reads run in worker threads; the buffer is touched on the
+    event loop only."""
+
+    LEASE_TIMEOUT_S = 120.0
+
+    def __init__(self, cfg: TrainLocalConfig, loop: Any, model_dir: Path, weights_dir: Path) -> None:
+        from echorl.tasks.env import env_options_of, is_episodic
+
+        self.cfg, self.loop, self.model_dir, self.weights_dir = cfg, loop, model_dir, weights_dir
+        self.env = (cfg.task, env_options_of(loop.task)) if is_episodic(loop.task) else None
+        b = cfg.prompts_per_step
+        self.max_inflight = cfg.max_inflight or (b if cfg.staleness == 0 else 2 * b)
+        self.leases: dict[int, tuple[list[Any], float]] = {}
+        self.lease_id = self.leases_expired = 0
+        self.published = -1
+        self.gen_s = 0.0
+        self.procs: list[Any] = []
+        self._accepted: Any = None
+
+    # --- actor processes -----------------------------------------------------------------
+    def start(self) -> None:
         import multiprocessing as mp
 
         from echorl.actor.worker import actor_main
@@ -141,16 +199,18 @@ class _Loop:
         self.procs = [
             ctx.Process(target=actor_main, daemon=True, name=f"echorl-actor-{i}",
                         args=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
-                              self.stop, self.args.actor_delay, self.args.seed * 100 + i, self.args.device,
-                              self.args.dtype))
-            for i in range(self.args.actors)
+                              self.stop, self.cfg.actor_delay, self.cfg.seed * 100 + i, self.cfg.device,
+                              self.cfg.dtype))
+            for i in range(self.cfg.actors)
         ]
         for p in self.procs:
             p.start()
 
-    def stop_actors(self) -> None:
+    def close(self) -> None:
         import queue
 
+        if not self.procs:
+            return
         self.stop.set()
         for _ in self.procs:
             self.lease_q.put(None)
@@ -167,163 +227,123 @@ class _Loop:
         for q in (self.lease_q, self.result_q):
             q.cancel_join_thread()
             q.close()
+        self.procs = []
 
-    def lease_more(self) -> None:
+    # --- RolloutSource -------------------------------------------------------------------
+    async def wait(self) -> None:
+        import trio
+
+        self._lease_more()
+        self._accepted = trio.Event()
+        with trio.move_on_after(1.0):
+            await self._accepted.wait()
+
+    async def publish(self, version: int, state_dict: dict[str, Any]) -> None:
+        import trio
+
+        await trio.to_thread.run_sync(self.publish_now, version, state_dict)
+
+    def publish_now(self, version: int, state_dict: dict[str, Any]) -> None:
+        from echorl.actor.worker import publish_weights
+
+        publish_weights(self.weights_dir, state_dict, version, keep=max(8, self.cfg.staleness + self.loop.kappa + 2))
+        self.published = version
+
+    def after_step(self) -> None:
+        """Lease between steps, after a publication: a lease issued while a step trains would be
+        generated with weights one step older and arrive closer to the staleness bound."""
+        self._lease_more()
+
+    def metrics(self) -> dict[str, Any]:
+        return {"published_version": self.published, "leases_expired": self.leases_expired,
+                "leases_issued": self.lease_id, "actor_generate_seconds": self.gen_s}
+
+    # --- leases and results --------------------------------------------------------------
+    async def pump(self, task_status: Any = None) -> None:
+        """Forever: take results in, expire overdue leases (work is leased out by ``wait`` and
+        ``after_step``, and once here at the start)."""
+        import trio
+
+        if task_status is not None:
+            task_status.started()
+        self._lease_more()
+        while True:
+            for res in await trio.to_thread.run_sync(self._results, 0.2):
+                await self._take(res)
+            self._expire(time.time())
+            if not any(p.is_alive() for p in self.procs):
+                raise RuntimeError("all actor processes exited")
+
+    def _lease_more(self) -> None:
         from echorl.actor.worker import Lease
 
-        t, S = self.trainer.version, self.args.staleness
-        min_version = min(self.published, max(0, t - max(0, S - 1)))
-        while len(self.buffer.outstanding) + len(self.buffer) < self.max_inflight:
-            n = min(self.args.lease_prompts, self.max_inflight - len(self.buffer.outstanding) - len(self.buffer))
-            prompts = self.buffer.next_prompts(self.task, n)
+        buffer = self.loop.buffer
+        min_version = self.loop.min_version(self.published)
+        params = self.loop.sampling_params()
+        while (room := self.max_inflight - len(buffer.outstanding) - len(buffer)) > 0:
+            prompts = buffer.next_prompts(self.loop.task, min(self.cfg.lease_prompts, room))
             self.lease_id += 1
-            self.leases[self.lease_id] = (prompts, time.time() + self.lease_timeout)
-            self.lease_q.put(Lease(self.lease_id, prompts, self.args.group_size, self.params, min_version, self.env))
+            self.leases[self.lease_id] = (prompts, time.time() + self.LEASE_TIMEOUT_S)
+            self.lease_q.put(Lease(self.lease_id, prompts, self.cfg.group_size, params, min_version, self.env))
 
-    def collect(self, timeout: float) -> None:
+    def _results(self, timeout: float) -> list[Any]:
+        """Every result waiting in the queue (blocking up to ``timeout`` for the first)."""
         import queue
 
-        block = True
-        while True:
-            try:
-                res = self.result_q.get(timeout=timeout) if block else self.result_q.get_nowait()
-            except queue.Empty:
-                break
-            block = False
-            if self.leases.pop(res.lease_id, None) is None:
-                continue  # expired lease: its prompts were re-queued already
-            if res.error:
-                raise RuntimeError(f"actor {res.actor} failed:\n{res.error}")
-            self.gen_s += res.generate_s
-            if self.t_first is None:
-                self.t_first, self.eval_s0 = time.perf_counter(), self.eval_s
-            for g in res.groups:
-                self.buffer.offer(g, self.trainer.version)
-        now = time.time()
+        out: list[Any] = []
+        try:
+            out.append(self.result_q.get(timeout=timeout))
+            while True:
+                out.append(self.result_q.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    async def _take(self, res: Any) -> None:
+        import trio
+
+        if self.leases.pop(res.lease_id, None) is None:
+            return  # expired lease: its prompts were re-queued already
+        if res.error:
+            raise RuntimeError(f"actor {res.actor} failed:\n{res.error}")
+        self.gen_s += res.generate_s
+        buffer = self.loop.buffer
+        rewards = await trio.to_thread.run_sync(buffer.score, res.groups)  # the verifier: off the event loop
+        for g, r in zip(res.groups, rewards):
+            buffer.offer(g, self.loop.version, r)
+        if self._accepted is not None:
+            self._accepted.set()
+
+    def _expire(self, now: float) -> None:
+        buffer = self.loop.buffer
         for lid, (prompts, deadline) in list(self.leases.items()):
             if deadline < now:
                 del self.leases[lid]
-                self.buffer.requeue([p for p in prompts if p.prompt_id in self.buffer.outstanding])
-        if not any(p.is_alive() for p in self.procs):
-            raise RuntimeError("all actor processes exited")
+                self.leases_expired += 1
+                buffer.requeue([p for p in prompts if p.prompt_id in buffer.outstanding])
 
-    def run(self) -> int:
-        from rich.console import Console
 
-        console = Console(stderr=True)
-        self.setup()
-        a = self.args
-        self.eval_s, self.gen_s, self.busy_s, self.lease_id = 0.0, 0.0, 0.0, 0
-        self.t_first: float | None = None
-        self.eval_s0 = 0.0
-        self.leases: dict[int, tuple[list, float]] = {}
-        self.lease_timeout = 120.0
-        self.publish()
-        mode = "a" if self.resumed else "w"
-        out = open(a.metrics_out, mode) if a.metrics_out else None
-        self.start_actors()
-        t_start = time.perf_counter()
-        first_eval = self.evaluate()
-        rows: list[dict[str, Any]] = []
+def _summary(console: Any, loop: Any, source: ActorSource, model_dir: Path, seconds: float) -> None:
+    from rich.table import Table
 
-        def emit(row: dict[str, Any]) -> None:
-            rows.append(row)
-            if out:
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-
-        base = {"rollouts_accepted": 0, "rollouts_rejected_stale": 0, "staleness_max": 0,
-                "staleness_mean": 0.0, "learner_busy_frac": 0.0}
-        if not self.resumed:
-            emit({"step": 0, "version": self.trainer.version, "reward_mean": None, "eval_reward": first_eval,
-                  **base, "seconds": 0.0})
-        try:
-            self._train(emit, console, t_start)
-        finally:
-            self.stop_actors()
-            if out:
-                out.close()
-            if self._tmp:
-                self._tmp.cleanup()
-        self.summary(console, rows, first_eval, time.perf_counter() - t_start)
-        return 0
-
-    def _train(self, emit: Any, console: Any, t_start: float) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        a = self.args
-        last_eval = None
-        plain = not a.quiet and not console.is_terminal  # a log file: plain lines, not a collapsed bar
-        with Progress(TextColumn("[bold]train-local"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.description}"), console=console, disable=a.quiet or plain) as bar:
-            job = bar.add_task("", total=a.steps, completed=self.trainer.version)
-            while self.trainer.version < a.steps:
-                self.lease_more()
-                self.collect(timeout=0.0 if len(self.buffer) >= self.B else 0.5)
-                batch = self.buffer.take(self.B, self.trainer.version)
-                if batch is None:
-                    continue
-                staleness = [self.trainer.version - g.behaviour_version for g in batch]
-                t0 = time.perf_counter()
-                m = self.trainer.train_step(batch)
-                if self.trainer.version % self.kappa == 0 or self.trainer.version == a.steps:
-                    self.publish()
-                self.busy_s += time.perf_counter() - t0
-                v = self.trainer.version
-                ev = None
-                if v % a.eval_every == 0 or v == a.steps:
-                    ev = last_eval = self.evaluate()
-                if a.checkpoint_dir and ((a.checkpoint_every and v % a.checkpoint_every == 0) or v == a.steps):
-                    self.checkpoint()
-                wall = time.perf_counter() - t_start
-                c = self.buffer.counters()
-                emit({"step": v, "version": v, "reward_mean": m["reward_mean"], "eval_reward": ev,
-                      "rollouts_accepted": c["rollouts_accepted"],
-                      "rollouts_rejected_stale": c["rollouts_rejected_stale"],
-                      "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
-                      "learner_busy_frac": self.busy_frac(),
-                      "seconds": round(wall, 3), "loss": m["loss"], "clip_frac": m["clip_frac"],
-                      "tis_frac": m["tis_frac"], "logp_abs_diff": m["logp_abs_diff"],
-                      "train_seconds": m["train_seconds"], "published_version": self.published})
-                line = (f"reward {m['reward_mean']:.3f} eval {'-' if last_eval is None else f'{last_eval:.3f}'} "
-                        f"stale≤{max(staleness)} rejected {c['rollouts_rejected_stale']} busy {self.busy_frac():.3f}")
-                bar.update(job, completed=v, description=line)
-                if plain and (v % 10 == 0 or ev is not None or v == a.steps):
-                    print(f"train-local step {v}/{a.steps} {wall:.0f} s {line}", file=sys.stderr, flush=True)
-
-    def busy_frac(self) -> float:
-        if self.t_first is None:
-            return 0.0
-        span = time.perf_counter() - self.t_first - (self.eval_s - self.eval_s0)
-        return self.busy_s / max(1e-9, span)
-
-    def checkpoint(self) -> None:
-        from echorl.learner.checkpoint import save_checkpoint
-
-        save_checkpoint(self.args.checkpoint_dir, self.trainer, self.task.cursor, self.buffer.pending_prompts(),
-                        extra={"task": self.args.task, "seed": self.args.seed})
-
-    def summary(self, console: Any, rows: list[dict[str, Any]], first_eval: float, seconds: float) -> None:
-        from rich.table import Table
-
-        steps = [r for r in rows if r["step"] > 0]
-        evals = [r["eval_reward"] for r in rows if r["eval_reward"] is not None]
-        c = self.buffer.counters()
-        t = Table(title="echorl train-local summary", show_header=False)
-        items = [
-            ("task / model", f"{self.task.name} / {self.model_dir}"),
-            ("steps (this run) / version", f"{len(steps)} / {self.trainer.version}"),
-            ("eval_reward start → end", f"{first_eval:.3f} → {evals[-1]:.3f}" if evals else "n/a"),
-            ("reward_mean first10 → last10", _first_last(steps)),
-            ("rollouts accepted / rejected stale", f"{c['rollouts_accepted']} / {c['rollouts_rejected_stale']}"),
-            ("staleness max / mean", f"{c['staleness_max']} / {c['staleness_mean']:.3f}"),
-            ("learner busy fraction", f"{steps[-1]['learner_busy_frac']:.3f}" if steps else "n/a"),
-            ("seconds (s/step)", f"{seconds:.1f} ({seconds / max(1, len(steps)):.3f})"),
-            ("actor generate seconds (sum)", f"{self.gen_s:.1f}"),
-        ]
-        for k, v in items:
-            t.add_row(k, v)
-        console.print(t)
+    steps = [r for r in loop.rows if r["step"] > 0]
+    c = loop.buffer.counters()
+    first, last = loop.first_eval, loop.last_eval
+    t = Table(title="echorl train-local summary", show_header=False)
+    items = [
+        ("task / model", f"{loop.task.name} / {model_dir}"),
+        ("steps (this run) / version", f"{len(steps)} / {loop.version}"),
+        ("eval_reward start → end", f"{first:.3f} → {last:.3f}" if first is not None and last is not None else "n/a"),
+        ("reward_mean first10 → last10", _first_last(steps)),
+        ("rollouts accepted / rejected stale", f"{c['rollouts_accepted']} / {c['rollouts_rejected_stale']}"),
+        ("staleness max / mean", f"{c['staleness_max']} / {c['staleness_mean']:.2f}"),
+        ("busy_fraction", f"{steps[-1]['busy_fraction']:.2f}" if steps else "n/a"),
+        ("seconds (s/step)", f"{seconds:.1f} ({seconds / max(1, len(steps)):.3f})"),
+        ("actor generate seconds (sum)", f"{source.gen_s:.1f}"),
+    ]
+    for k, v in items:
+        t.add_row(k, v)
+    console.print(t)
 
 
 def _first_last(steps: list[dict[str, Any]]) -> str:

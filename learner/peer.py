@@ -8,11 +8,7 @@ deltas, a full snapshot every ``full_every`` publications) from a publication ta
 beside training; the broadcaster's one chunk store also serves catch-up and the nodes' direct
 fetch. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
 newest completed broadcast and the provisioning rule of DESIGN §7:
-required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i. The same row feeds ``/metrics``
-(``--metrics-port``, Prometheus) and TensorBoard (``--tensorboard DIR``): ``echorl/metrics_sinks.py``.
-Every accepted submission is answered with a signed receipt (``learner/ledger.py``, which also
-keeps per-node rejections by reason and the run's cost, learner ``--price-per-hour`` included).
-At the end the learner prints a one-paragraph summary (steps, eval, nodes, cost).
+required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
 
 A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed
 with the snapshot of the claimed version (``learner/spot_check.py``; the broadcaster's store keeps
@@ -68,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if cfg.resume and not cfg.checkpoint_dir:
             raise config.ConfigError("--resume needs --checkpoint-dir")
-        _check_task_and_model(cfg)  # TaskError is a ValueError
         if problem := sink_flags_error(cfg.metrics_port, cfg.tensorboard):
             raise config.ConfigError(problem)
+        _check_task_and_model(cfg)  # TaskError is a ValueError
         device = cfg.pin_device()
     except ValueError as exc:
         config.fail("learner", exc)
@@ -85,65 +81,66 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """Run the learner until ``cfg.steps`` are done or SIGTERM/SIGINT."""
-    from echorl.learner.train import Trainer
-    from echorl.net.host import HostConfig, open_host
-    from echorl.learner.resume import redial, restore_service, service_state
+    from echorl.learner.resume import redial
     from echorl.learner.service import LearnerService, LeasePolicy
+    from echorl.learner.train import NetworkSource, Provisioning, build_loop, sampling_spec
+    from echorl.net.host import HostConfig, open_host
     from echorl.net.transport import UploadLimiter
 
     identity = _identity(cfg)
-    trainer = await trio.to_thread.run_sync(Trainer.build, cfg)
+    loop = await trio.to_thread.run_sync(build_loop, cfg)
     if cfg.resume:
-        await _resume(cfg, trainer)
-    trainer.open_metrics()
+        await _resume(cfg, loop)
+    loop.open_metrics()
     try:
-        trainer.sinks = open_sinks("learner", cfg.metrics_port, cfg.tensorboard)
+        loop.sinks = open_sinks("learner", cfg.metrics_port, cfg.tensorboard)
     except OSError as exc:
         raise SystemExit(f"echorl learner: --metrics-port {cfg.metrics_port}: {exc}") from None
-    policy = LeasePolicy.of(cfg, trainer.sampling_spec())
-    service = LearnerService(identity, cfg.run_id, trainer.task, trainer.tokenizer, trainer.buffer, policy,
-                             trainer.vocab_size)
-    service.version = service.published = trainer.grpo.version
-    service.required_fn = trainer.required_rollouts_per_s
-    service.ledger.price_per_hour = cfg.price_per_hour
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
-    if cfg.spot_check_fraction > 0:
-        service.spot = await _spot_checker(cfg, trainer)
-        service.ban_after = cfg.spot_check_ban_after
-    remembered = restore_service(service, trainer.resume_extra.get("service", {}))
-    trainer.service_state = lambda: service_state(service)
+    provisioning = Provisioning(loop)
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+            bc = _broadcaster(cfg, host, identity, limiter)
+            # every version a rollout may still claim (t − b ≤ S) is rebuildable from the broadcaster
+            spot = await _spot_checker(cfg, loop, bc.version_bytes) if cfg.spot_check_fraction > 0 else None
+            service = LearnerService(identity, cfg.run_id, loop.task, loop.eval_backend.tokenizer, loop.buffer,
+                                     LeasePolicy.of(cfg, sampling_spec(loop)), int(loop.grpo.model.config.vocab_size),
+                                     version=lambda: loop.version, published=loop.version,
+                                     required=provisioning.required_rollouts_per_s, summary=lambda: loop.summary,
+                                     spot=spot, ban_after=cfg.spot_check_ban_after)
+            service.ledger.price_per_hour = cfg.price_per_hour
+            loop.attach("service", service)
             service.install(host)
             async with trio.open_nursery() as nursery:
-                publisher = await _start_publishing(cfg, host, identity, trainer, service, limiter, nursery)
-                membership = await _announce(cfg, host, nursery, task_status)
+                publisher = await _start_publishing(cfg, bc, loop, provisioning, service, nursery)
+                loop.attach("publisher", publisher)
+                await _announce(cfg, host, nursery, task_status)
                 nursery.start_soon(service.maintain)
-                nursery.start_soon(redial, host, remembered)  # nodes that knew our old address
-                nursery.start_soon(_stop_on_signal, trainer, service, nursery.cancel_scope)
-                await trainer.loop(service, publisher, membership)
-                if not trainer.stopping:  # the final version reaches the nodes
+                nursery.start_soon(redial, host, service.remembered_addrs)  # nodes that knew our old address
+                nursery.start_soon(_stop_on_signal, loop, service, nursery.cancel_scope)
+                await loop.run(NetworkSource(service, publisher, provisioning))
+                if not loop.stopping:  # the final version reaches the nodes
                     await publisher.drain(cfg.broadcast_timeout_s)
                 if cfg.checkpoint_dir:
-                    await trainer.checkpoint()
+                    await loop.checkpoint()
+                log.info("done at v%d: eval_reward %s -> %s", loop.version, loop.first_eval, loop.last_eval)
                 nursery.cancel_scope.cancel()
-        print(run_summary(trainer, service), flush=True)
+        print(run_summary(loop, service, cfg.staleness), flush=True)
     finally:
-        trainer.close()
+        loop.close()
 
 
-async def _spot_checker(cfg: LearnerConfig, trainer: Any) -> Any:
+async def _spot_checker(cfg: LearnerConfig, loop: Any, snapshots: Any) -> Any:
     """Spot checker over a scratch copy of the model, taken now (in a worker thread), before
     training starts: the checker never touches the trainer's model, and nothing is loaded from
-    disk while another thread trains. Its snapshots come from the broadcaster's store, bound
-    in ``_start_publishing`` before the first version is published."""
+    disk while another thread trains. ``snapshots``: the broadcaster's retained versions."""
     import copy
 
     from echorl.learner.spot_check import SpotChecker
 
-    scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(trainer.grpo.model))
-    return SpotChecker(lambda: scratch, trainer.tokenizer, trainer.sampling_spec().temperature,
-                       cfg.spot_check_fraction, lambda version: None, tolerance_mean=cfg.spot_check_tolerance_mean,
+    scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(loop.grpo.model))
+    return SpotChecker(lambda: scratch, loop.eval_backend.tokenizer, loop.settings.temperature,
+                       cfg.spot_check_fraction, snapshots, tolerance_mean=cfg.spot_check_tolerance_mean,
                        tolerance_max=cfg.spot_check_tolerance_max)
 
 
@@ -160,34 +157,38 @@ def _identity(cfg: LearnerConfig) -> Any:
     return Identity.generate()
 
 
-async def _resume(cfg: LearnerConfig, trainer: Any) -> None:
-    if not await trio.to_thread.run_sync(trainer.resume):
+async def _resume(cfg: LearnerConfig, loop: Any) -> None:
+    """Load the newest checkpoint; its run id wins over the configured one (same run)."""
+    if not await trio.to_thread.run_sync(loop.resume):
         log.info("no checkpoint in %s: starting a new run", cfg.checkpoint_dir)
         return
-    run_id = trainer.resume_extra.get("run_id") or cfg.run_id
+    run_id = loop.resumed_extra.get("run_id") or cfg.run_id
     if run_id != cfg.run_id:
         log.warning("run id %r from the checkpoint replaces %r", run_id, cfg.run_id)
         cfg.run_id = run_id
-    log.info("resumed run %s at version %d (%d prompts pending)", cfg.run_id, trainer.grpo.version,
-             len(trainer.buffer.pending_prompts()))
+    log.info("resumed run %s at version %d (%d prompts pending)", cfg.run_id, loop.version,
+             len(loop.buffer.pending_prompts()))
 
 
-async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, trainer: Any, service: Any,
-                            limiter: Any, nursery: trio.Nursery) -> Any:
+def _broadcaster(cfg: LearnerConfig, host: Any, identity: Any, limiter: Any) -> Any:
+    """The broadcaster (it keeps the last S+1 published versions: the spot checks' snapshots)."""
+    from echorl.broadcast.broadcaster import Broadcaster
+
+    return Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
+                       full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
+                       done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness)
+
+
+async def _start_publishing(cfg: LearnerConfig, bc: Any, loop: Any, provisioning: Any, service: Any,
+                            nursery: trio.Nursery) -> Any:
     """Broadcaster + publication task; the current version (0, or the resumed one) is
     published as a full snapshot before any node can join."""
-    from echorl.broadcast.broadcaster import Broadcaster
     from echorl.learner.publish import Publisher
 
-    bc = Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
-                     full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
-                     done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness)
-    if service.spot is not None:  # every version a rollout may still claim (t − b ≤ S) is rebuildable
-        service.spot.snapshots = bc.version_bytes
     bc.install()
     await nursery.start(bc.run)
-    publisher = Publisher(bc, service, timeout_s=cfg.broadcast_timeout_s, on_record=trainer.on_broadcast)
-    await publisher.publish(trainer.grpo.version, await trio.to_thread.run_sync(trainer.grpo.state_dict))
+    publisher = Publisher(bc, service, timeout_s=cfg.broadcast_timeout_s, on_record=provisioning.on_broadcast)
+    await publisher.publish(loop.version, await trio.to_thread.run_sync(loop.grpo.state_dict))
     await nursery.start(publisher.run)
     return publisher
 
@@ -210,33 +211,33 @@ async def _announce(cfg: LearnerConfig, host: Any, nursery: trio.Nursery, task_s
     return membership if cfg.dht else None
 
 
-async def _stop_on_signal(trainer: Any, service: Any, scope: trio.CancelScope) -> None:
+async def _stop_on_signal(loop: Any, service: Any, scope: trio.CancelScope) -> None:
     """First SIGTERM/SIGINT: finish the current step, checkpoint (with a checkpoint dir), exit;
     a second one cancels at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for sig in signals:
-            if trainer.stopping:
+            if loop.stopping:
                 scope.cancel()
                 return
             log.info("signal %s: stopping after the current step", signal.Signals(sig).name)
-            trainer.stopping = True
-            service.stopping = True
-            service.accepted.set()
+            loop.stop()
+            service.stop()
 
 
-def run_summary(trainer: Any, service: Any) -> str:
+def run_summary(loop: Any, service: Any, staleness: int) -> str:
     """The end-of-run paragraph (like the demo's): steps, eval, nodes, staleness, cost."""
     from echorl.protocol.identity import short_id
 
-    row = {**trainer.last_row, **service.ledger.metrics(service.peers.values(), trainer.step, service.policy.group_size)}
+    row = {**(loop.last_row or {}),
+           **service.ledger.metrics(service.peers.values(), loop.version, service.policy.group_size)}
 
     def r(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
     nodes = ", ".join(f"{short_id(p)} {a.groups_accepted} groups/{a.rejected_total} rejected"
                       for p, a in sorted(service.ledger.accounts.items())) or "none"
-    return (f"summary: {trainer.step} steps in {r(row.get('elapsed_s'))} s; eval_reward {r(trainer.first_eval)} -> "
-            f"{r(trainer.last_eval)}; staleness_max {r(row.get('staleness_max'))} (S={trainer.cfg.staleness}); "
+    return (f"summary: {loop.version} steps in {r(row.get('elapsed_s'))} s; eval_reward {r(loop.first_eval)} -> "
+            f"{r(loop.last_eval)}; staleness_max {r(row.get('staleness_max'))} (S={staleness}); "
             f"receipts {service.ledger.seq}; nodes: {nodes}; cost {r(row['cost_total'])} (learner "
             f"{r(row['cost_learner'])}, nodes {r(row['cost_nodes'])}), per step {r(row['cost_per_step'])}, per 1k "
             f"rollouts {r(row['cost_per_1k_rollouts'])}; same rollouts on the learner (estimate) "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from echorl.learner.checkpoint import check_state_keys
 from echorl.protocol import snapshot
 
 if TYPE_CHECKING:
@@ -72,6 +73,15 @@ class Publisher:
         self.records: list[BroadcastRecord] = []
         self.skipped = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """Counters that continue across a resume (the first publication after it is a full
+        snapshot of the resumed version, so nothing of the broadcast chain is kept)."""
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = check_state_keys("publisher", state, {"skipped"})
+        self.skipped = int(state.get("skipped", 0))
+
     def offer(self, version: int, state_dict: dict[str, Any]) -> None:
         """Hand the newest trained version over (never blocks); replaces an unpublished one."""
         if self._pending is not None:
@@ -107,7 +117,7 @@ class Publisher:
         t0 = time.perf_counter()
         data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
         serialize_s = time.perf_counter() - t0
-        self.service.published = max(self.service.published, version)
+        self.service.note_published(version)
         report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
         rec = BroadcastRecord(version, report.kind, report.seconds, report.build_seconds, serialize_s,
                               report.bytes, report.result_bytes, report.nodes, len(report.completed),

@@ -6,7 +6,9 @@
   its bootstrap address then finds a live connection to its pinned learner (same key, same peer
   ID) and re-joins over it (py-libp2p's ``connect`` reuses an existing connection).
 
-Everything read back is checked for shape; a bad entry is skipped with a log line.
+The service owns this state (``LearnerService.state_dict`` / ``load_state_dict`` call these
+functions). Everything read back is checked for shape: unknown keys are an error, a bad entry
+is skipped with a log line.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import trio
 
 from echorl.protocol.identity import short_id
+from echorl.learner.checkpoint import check_state_keys
 
 log = logging.getLogger(__name__)
 
@@ -26,37 +29,32 @@ MAX_ADDRS_PER_PEER = 8
 REMEMBER_SEEN_WITHIN_S = 600.0
 
 
-def service_state(service: Any) -> dict[str, Any]:
-    """The service's part of a checkpoint (plain JSON types)."""
+def encode_service_state(peers: dict[str, Any], mismatches: dict[str, int]) -> dict[str, Any]:
+    """The service's part of a checkpoint (plain JSON types), from its peers and mismatch counts."""
     now = time.monotonic()
-    recent = sorted((p for p in service.peers.values() if now - p.last_seen < REMEMBER_SEEN_WITHIN_S),
+    recent = sorted((p for p in peers.values() if now - p.last_seen < REMEMBER_SEEN_WITHIN_S),
                     key=lambda p: p.last_seen, reverse=True)[:MAX_REMEMBERED_PEERS]
-    return {"logprob_mismatches": dict(service.mismatches),
+    return {"logprob_mismatches": dict(mismatches),
             "peer_addrs": {p.peer_id: list(p.capability.listen_addrs)[:MAX_ADDRS_PER_PEER] for p in recent}}
 
 
-def restore_service(service: Any, state: Any) -> dict[str, list[str]]:
-    """Put the mismatch counts back into ``service``; return the remembered node addresses."""
-    if not isinstance(state, dict):
-        log.warning("checkpoint: ignoring service state of type %s", type(state).__name__)
-        return {}
+def decode_service_state(state: Any) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """(mismatch counts, node addresses) of a saved service state. Unknown keys are an error
+    (state from other code); a malformed entry is skipped with a log line."""
+    state = check_state_keys("service", state, {"logprob_mismatches", "peer_addrs"})
+    mismatches: dict[str, int] = {}
     for peer_id, n in _dict(state, "logprob_mismatches").items():
         if not (isinstance(peer_id, str) and isinstance(n, int) and not isinstance(n, bool) and n > 0):
             log.warning("checkpoint: ignoring mismatch entry %r: %r", peer_id, n)
             continue
-        service.mismatches[peer_id] = n
-        if service.spot is not None:
-            service.spot.flag(peer_id)
-    if service.mismatches:
-        log.info("restored spot-check flags of %d peers (%d banned)", len(service.mismatches),
-                 sum(service.banned(p) for p in service.mismatches))
+        mismatches[peer_id] = n
     addrs: dict[str, list[str]] = {}
     for peer_id, lst in list(_dict(state, "peer_addrs").items())[:MAX_REMEMBERED_PEERS]:
         if isinstance(peer_id, str) and isinstance(lst, list) and all(isinstance(a, str) for a in lst):
             addrs[peer_id] = lst[:MAX_ADDRS_PER_PEER]
         else:
             log.warning("checkpoint: ignoring address entry %r", peer_id)
-    return addrs
+    return mismatches, addrs
 
 
 def _dict(state: dict[str, Any], key: str) -> dict[Any, Any]:

@@ -40,19 +40,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from pydantic import Field
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
-from echorl.learner.config import LeaseFields
 from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
     Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeasePrompt, LeaseRequest, LeaseReturn, Message,
-    SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
+    Status, StatusRequest, Submit, SubmitAccepted,
 )
 from echorl.tasks.env import is_episodic
 
@@ -61,58 +59,12 @@ from echorl.learner.activation import Activation, NodeOffer, choose_active, pree
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
 from echorl.learner.ledger import Ledger
+from echorl.learner.leases import LeaseBook, LeasePolicy, LeaseRecord  # noqa: F401 - LeasePolicy re-exported
+from echorl.learner.resume import decode_service_state, encode_service_state
 from echorl.learner.spot_check import SpotChecker
 from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.learner")
-
-
-class LeasePolicy(LeaseFields):
-    """The lease service's settings: the :class:`LeaseFields` section of the learner's config
-    plus the sampling spec leases carry (taken from the task and the trainer)."""
-
-    sampling: SamplingSpec = Field(default_factory=lambda: SamplingSpec(
-        temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
-    """what every lease asks the node to sample with"""
-
-    @classmethod
-    def of(cls, cfg: LeaseFields, sampling: SamplingSpec) -> "LeasePolicy":
-        """The policy of a learner config, field by field (no field is named here)."""
-        return cls(**cfg.model_dump(include=set(LeaseFields.model_fields)), sampling=sampling)
-
-    @property
-    def version_lag(self) -> int:
-        """Safety margin in steps (S ≥ 2): results may arrive one step later than in-order
-        accounting says (a fresher node's lease can overtake), so plan for one step less."""
-        return 0 if self.staleness <= 1 else 1
-
-    @property
-    def in_flight_cap(self) -> int:
-        """Buffered + leased prompts allowed, so results stay within the staleness bound."""
-        return self.prompts_per_step * max(1, self.staleness - self.version_lag)
-
-    def min_version(self, learner_version: int) -> int:
-        """Oldest node version that is still leased work (t − S + margin): with a publication
-        period κ ≤ S − margin the last published version always qualifies."""
-        return max(0, learner_version - self.staleness + self.version_lag)
-
-    def lease_seconds(self, n_prompts: int, groups_per_s: float, tokens_per_s: float) -> float:
-        """A lease's deadline: ``lease_timeout_s``, or 4× the node's expected time for it when
-        that is longer (measured group throughput, else its declared tokens/s at full length),
-        at most 20× ``lease_timeout_s``. A dead holder is found by the liveness sweep long before."""
-        if groups_per_s > 0:
-            expected = n_prompts / groups_per_s
-        else:
-            expected = n_prompts * self.group_size * self.sampling.max_new_tokens / max(tokens_per_s, 1e-3)
-        return min(max(self.lease_timeout_s, 4.0 * expected), 20.0 * self.lease_timeout_s)
-
-    def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
-        """Prompts a node at version b may be leased now. Groups are trained in arrival order,
-        B per step, so a prompt with X prompts in flight before it (itself included) is trained
-        at version t + ⌈X/B⌉ − 1; its staleness stays ≤ S iff X ≤ B·(S + 1 − (t − b)); the
-        margin takes one step off, and ``in_flight_cap`` bounds X for fresh nodes."""
-        steps_left = self.staleness + 1 - self.version_lag - (learner_version - node_version)
-        return min(self.in_flight_cap, self.prompts_per_step * steps_left) - in_flight
 
 
 @dataclass
@@ -135,8 +87,15 @@ class PeerRecord:
 
 
 class LearnerService:
+    """``version`` (the trainer's newest version t), ``required`` (the provisioning rule's Σμ)
+    and ``summary`` (the run's headline figures for status) are read from the trainer."""
+
     def __init__(self, identity: Identity, run_id: str, task: Any, tokenizer: Any,
-                 buffer: StalenessBuffer, policy: LeasePolicy, vocab_size: int) -> None:
+                 buffer: StalenessBuffer, policy: LeasePolicy, vocab_size: int, *,
+                 version: Callable[[], int] = lambda: 0, published: int = 0,
+                 required: Callable[[], float | None] = lambda: None,
+                 summary: Callable[[], dict[str, Any]] = dict,
+                 spot: SpotChecker | None = None, ban_after: int = 3) -> None:
         self.identity = identity
         self.run_id = run_id
         self.task = task
@@ -146,8 +105,8 @@ class LearnerService:
         self.vocab_size = vocab_size
         self.book = LeaseBook()
         self.peers: dict[str, PeerRecord] = {}
-        self.version = 0  # the trainer's newest version t
-        self.published = 0  # newest version handed to the broadcast (and the fetch fallback)
+        self._version = version
+        self.published = published  # newest version handed to the broadcast (and the fetch fallback)
         self.stopping = False  # no new leases (the learner is checkpointing and exiting)
         self.accepted = trio.Event()
         self.counters: dict[str, int] = {
@@ -155,22 +114,55 @@ class LearnerService:
             "submissions_rejected_unknown_lease": 0, "submissions_rejected_stale": 0,
             "submissions_accepted": 0, "groups_received": 0,
         }
-        self.learner_summary: dict[str, Any] = {}  # filled by the trainer loop for status
+        self.summary = summary
         self.host: Host | None = None
-        self.spot: SpotChecker | None = None  # set by the learner when spot checks are on
-        self.ban_after = 3  # mismatches before a peer is refused leases (0: never)
+        self.spot = spot  # None: spot checks off
+        self.ban_after = ban_after  # mismatches before a peer is refused leases (0: never)
+        self.remembered_addrs: dict[str, list[str]] = {}  # nodes of a checkpoint, to re-dial
         self.mismatches: dict[str, int] = {}  # peer id -> spot-check mismatches (flags survive re-joins)
         self.counters.update({"spot_checks": 0, "spot_checks_skipped": 0, "rollouts_rejected_logprob": 0,
                               "rollouts_rejected_env": 0, "peers_flagged": 0, "peers_banned": 0})
         self.spot_check_seconds = 0.0
         self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
         # cost-aware activation: the current decision (None: everyone active), the required Σμ
-        # (set by the learner from the trainer's EMAs; None: unbounded or unknown) and recent losses
+        # (from the trainer's EMAs; None: unbounded or unknown) and recent losses
         self.activation: Activation | None = None
-        self.required_fn: Callable[[], float | None] = lambda: None
+        self.required_fn = required
         self.losses: deque[tuple[float, str]] = deque()  # (monotonic time, peer id) of liveness expiries
         self._last_decision = 0.0
         self.ledger = Ledger(identity, run_id)  # receipts, per-peer rejections by reason, cost
+
+    @property
+    def version(self) -> int:
+        return self._version()
+
+    def note_published(self, version: int) -> None:
+        """A version is held for the fetch fallback and being broadcast: nodes may ask for it."""
+        self.published = max(self.published, version)
+
+    async def wait_for_submission(self, timeout_s: float) -> None:
+        """Until the next accepted submission (or ``timeout_s``, or :meth:`stop`)."""
+        self.accepted = trio.Event()
+        with trio.move_on_after(timeout_s):
+            await self.accepted.wait()
+
+    def stop(self) -> None:
+        """No new leases (the learner is checkpointing and exiting); wake the trainer."""
+        self.stopping = True
+        self.accepted.set()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Spot-check mismatch counts and recent nodes' addresses (``learner/resume.py``)."""
+        return encode_service_state(self.peers, self.mismatches)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore mismatch counts (flags and bans survive a restart) and the addresses to re-dial."""
+        self.mismatches, self.remembered_addrs = decode_service_state(state)
+        for peer_id in self.mismatches if self.spot is not None else ():
+            self.spot.flag(peer_id)
+        if self.mismatches:
+            log.info("restored spot-check flags of %d peers (%d banned)", len(self.mismatches),
+                     sum(self.banned(p) for p in self.mismatches))
 
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
@@ -222,7 +214,7 @@ class LearnerService:
             return self._deferred("stopping", retry_after_s=1.0)
         if self.is_standby(ctx.peer_id):
             return self._deferred("standby", retry_after_s=pol.activation_interval_s)
-        min_version = pol.min_version(self.version)
+        min_version = pol.min_version(self.version, self.published)
         if msg.version < min_version:
             return self._deferred("weights_too_old", want_version=min_version)
         if msg.version > self.published:
@@ -405,7 +397,7 @@ class LearnerService:
                    "spot_check_fraction": self.spot.fraction if self.spot is not None else 0.0,
                    "spot_check_seconds": round(self.spot_check_seconds, 4),
                    "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
-        learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
+        learner.update({k: v for k, v in self.summary().items() if isinstance(v, (int, float, str, bool)) or v is None})
         learner.update(self.activation_metrics())
         learner.update(self.ledger.metrics(self.peers.values(), self.version, self.policy.group_size))
         peers = []

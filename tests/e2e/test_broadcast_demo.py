@@ -56,8 +56,10 @@ def test_sigterm_checkpoints_and_resume_continues(swarm, tmp_path):
     v1 = first[-1]["version"]
     state = json.loads((ckpt / (ckpt / "LATEST").read_text().strip() / "state.json").read_text())
     assert state["version"] == v1 and state["extra"]["run_id"] == "echorl-demo"
-    pending = {p["prompt_id"] for p in state["pending"]}
-    trained = set(state["extra"]["trained_prompt_ids"])
+    extra = state["extra"]  # assembled from the components' state_dicts
+    assert {"loop", "buffer", "service", "publisher"} <= set(extra)
+    pending = {p["prompt_id"] for p in extra["buffer"]["pending"]}
+    trained = set(extra["loop"]["trained_prompt_ids"])
     assert not pending & trained and len(trained) == 16 * v1
     # nothing lost: every prompt handed out so far (cursor) is trained or pending (leased/buffered)
     assert {int(pid.rsplit(":", 1)[1]) for pid in pending | trained} == set(range(state["cursor"]))

@@ -36,7 +36,7 @@ def test_bad_config_gives_clear_error(args, fragment):
 
 
 KEYS = {"step", "version", "reward_mean", "eval_reward", "rollouts_accepted", "rollouts_rejected_stale",
-        "staleness_max", "staleness_mean", "learner_busy_frac", "seconds"}
+        "staleness_max", "staleness_mean", "busy_fraction", "elapsed_s", "staleness_step_max"}
 
 
 def test_short_run_metrics_and_resume(tmp_path):
@@ -62,5 +62,9 @@ def test_short_run_metrics_and_resume(tmp_path):
     assert "train-local step 4/5" in r.stderr and "train-local step 5/5" in r.stderr and "\x1b[" not in r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[-1]["rollouts_accepted"] == 20  # the buffer's counters continue across the resume
+    assert rows[-1]["prompts_trained_twice"] == 0  # the loop's trained ids too
     state = json.loads((ck / (ck / "LATEST").read_text() / "state.json").read_text())
     assert state["version"] == 5
+    assert {"loop", "buffer", "task", "seed"} <= set(state["extra"])  # assembled from the components
+    assert len(state["extra"]["loop"]["trained_prompt_ids"]) == 20

@@ -74,7 +74,8 @@ def test_lease_deadline_scales_with_the_node_and_is_capped() -> None:
 def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() -> None:
     import json
 
-    from echorl.learner.resume import restore_service, service_state
+    import pytest
+
     from echorl.tasks import load_task
 
     task = load_task("addition", digits=2, seed=0)
@@ -88,14 +89,21 @@ def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() ->
     old.peers["gone-long-ago"] = _record("gone-long-ago", quiet_for_s=3600.0)
     old.peers["fresh"].capability = old.peers["fresh"].capability.model_copy(update={"listen_addrs": ["/ip4/10.0.0.1/tcp/4001"]})
     old.mismatches = {"cheater": 3}
-    saved = json.loads(json.dumps(service_state(old)))  # what the checkpoint's state.json holds
+    saved = json.loads(json.dumps(old.state_dict()))  # what the checkpoint's state.json holds
     new = service()
-    assert restore_service(new, saved) == {"fresh": ["/ip4/10.0.0.1/tcp/4001"]}
+    new.load_state_dict(saved)
+    assert new.remembered_addrs == {"fresh": ["/ip4/10.0.0.1/tcp/4001"]}
     assert new.mismatches == {"cheater": 3} and new.banned("cheater")
 
     bad = service()
     state = {"logprob_mismatches": {"a": 2, "b": "x", "c": True, "d": -1}, "peer_addrs": {"p": ["/ip4/1.2.3.4/tcp/1"], "q": "x"}}
-    assert restore_service(bad, state) == {"p": ["/ip4/1.2.3.4/tcp/1"]} and bad.mismatches == {"a": 2}
-    for junk in ("garbage", None, {"logprob_mismatches": [1, 2], "peer_addrs": 7}):
+    bad.load_state_dict(state)
+    assert bad.remembered_addrs == {"p": ["/ip4/1.2.3.4/tcp/1"]} and bad.mismatches == {"a": 2}
+    fresh = service()
+    fresh.load_state_dict({"logprob_mismatches": [1, 2], "peer_addrs": 7})  # wrong shapes: skipped
+    assert fresh.remembered_addrs == {} and fresh.mismatches == {}
+    for junk in ("garbage", None, {"logprob_mismatches": {}, "bans": {"x": 1}}):  # not this code's state
         fresh = service()
-        assert restore_service(fresh, junk) == {} and fresh.mismatches == {}
+        with pytest.raises(ValueError, match="service state"):
+            fresh.load_state_dict(junk)
+        assert fresh.remembered_addrs == {} and fresh.mismatches == {}

@@ -1,0 +1,178 @@
+"""The one training loop (``learner/loop.py``): the learner peer and ``echorl train-local`` derive
+the same publication period κ and leasable version from their configurations, and both lease
+paths (the network service, the actor source) apply it; components refuse state they do not
+know; a checkpoint is assembled from the components and restores each of them; evaluation is
+one fixed sample of the held-out set."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import pytest
+import trio
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from echorl.learner import local, train  # noqa: E402
+from echorl.learner.buffer import StalenessBuffer  # noqa: E402
+from echorl.learner.loop import TrainingLoop  # noqa: E402
+from echorl.learner.config import LearnerConfig, TrainLocalConfig  # noqa: E402
+from echorl.learner.publish import Publisher  # noqa: E402
+from echorl.learner.service import LearnerService, LeasePolicy, PeerRecord  # noqa: E402
+from echorl.net.host import RequestContext  # noqa: E402
+from echorl.protocol.identity import Identity  # noqa: E402
+from echorl.protocol.messages import Capability, Lease, LeaseDeferred, LeaseRequest  # noqa: E402
+from echorl.tasks import load_task  # noqa: E402
+
+
+class _Version:
+    """Stands in for GRPOTrainer where only the version is read."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+
+def _loops(staleness: int, publish_every: int | None) -> tuple[TrainingLoop, TrainingLoop, _Version]:
+    task = load_task("addition", digits=2, seed=0, n_eval=16)
+    grpo = _Version()
+    local_cfg = TrainLocalConfig(staleness=staleness, publish_every=publish_every or 0)
+    local_loop = TrainingLoop(local.loop_settings(local_cfg), task, grpo, StalenessBuffer(staleness), None)
+    cfg = LearnerConfig(staleness=staleness, publish_every=publish_every or 0)
+    peer_loop = TrainingLoop(train.loop_settings(cfg), task, grpo, StalenessBuffer(staleness), None)
+    return local_loop, peer_loop, grpo
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3, 4, 7])
+@pytest.mark.parametrize("publish_every", [None, 1, 2, 5, 10])
+def test_peer_and_train_local_compute_kappa_and_leasable_version_identically(staleness, publish_every):
+    local_loop, peer_loop, grpo = _loops(staleness, publish_every)
+    expected_kappa = max(1, min(publish_every or max(1, staleness - 1), max(1, staleness)))
+    assert local_loop.kappa == peer_loop.kappa == expected_kappa
+    policy = LeasePolicy(staleness=staleness)
+    lag = 0 if staleness <= 1 else 1
+    for t in range(12):
+        grpo.version = t
+        for published in range(t + 1):
+            want = max(0, min(published, t - staleness + lag))
+            assert local_loop.min_version(published) == peer_loop.min_version(published) == want
+            assert policy.min_version(t, published) == want
+
+
+def _cap() -> Capability:
+    return Capability(engine="torch", device="cpu", memory_bytes=0, tokens_per_s=1.0, price_per_hour=0.0,
+                      reachable=True, listen_addrs=[])
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 4])
+def test_both_lease_paths_issue_the_loops_min_version(staleness):
+    """The network service and the actor source put the same oldest version on a lease."""
+    local_loop, _, grpo = _loops(staleness, None)
+    grpo.version, published = 9, 8
+    want = local_loop.min_version(published)
+
+    source = local.ActorSource(TrainLocalConfig(staleness=staleness), local_loop, None, None)
+    source.published, source.lease_q = published, queue.Queue()
+    source._lease_more()
+    lease = source.lease_q.get_nowait()
+    assert lease.min_version == want and lease.params.max_new_tokens == local_loop.task.max_new_tokens
+
+    task = local_loop.task
+    svc = LearnerService(Identity.generate(), "run-1", task, tokenizer=None, buffer=StalenessBuffer(staleness),
+                         policy=LeasePolicy(staleness=staleness), vocab_size=100, version=lambda: grpo.version,
+                         published=published)
+    now = time.monotonic()
+    svc.peers["node"] = PeerRecord("node", _cap(), now, now)
+    ctx = RequestContext("node", "lease", now)
+
+    async def ask(version: int):
+        return await svc.on_lease(LeaseRequest(run_id="run-1", version=version, max_prompts=2), ctx)
+
+    got = trio.run(ask, want)
+    assert isinstance(got, Lease) and got.min_version == want
+    if want > 0:
+        too_old = trio.run(ask, want - 1)
+        assert isinstance(too_old, LeaseDeferred) and too_old.want_version == want
+
+
+def test_load_state_dict_refuses_unexpected_keys():
+    task = load_task("addition", digits=2, seed=0, n_eval=16)
+    buffer = StalenessBuffer(2)
+    buffer.next_prompts(task, 3)
+    buffer.rollouts_rejected_stale = 5
+    saved = buffer.state_dict()
+    fresh = StalenessBuffer(2)
+    fresh.load_state_dict(saved)
+    assert [p.prompt_id for p in fresh.pending_prompts()] == [p.prompt_id for p in buffer.pending_prompts()]
+    assert fresh.rollouts_rejected_stale == 5
+
+    loop = TrainingLoop(local.loop_settings(TrainLocalConfig()), task, _Version(), StalenessBuffer(2), None)
+    publisher = Publisher(None, None)  # type: ignore[arg-type]
+    parts = [(StalenessBuffer(2), saved, "buffer"), (loop, loop.state_dict(), "training loop"),
+             (publisher, publisher.state_dict(), "publisher")]
+    for part, good, owner in parts:
+        with pytest.raises(ValueError, match=f"unexpected keys in {owner} state: \\['surprise'\\]"):
+            part.load_state_dict({**good, "surprise": 1})
+        with pytest.raises(ValueError, match="must be a dict"):
+            part.load_state_dict([good])
+    untouched = StalenessBuffer(2)
+    with pytest.raises(ValueError, match="buffer counters"):
+        untouched.load_state_dict({"pending": saved["pending"], "counters": {"nope": 1}})
+    assert untouched.pending_prompts() == [] and untouched.rollouts_rejected_stale == 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from echorl.actor.model import build_default_model
+
+    return build_default_model(tmp_path_factory.mktemp("m") / "tiny", seed=0, warmup=None)
+
+
+def _real_loop(tiny, tmp_path, **settings) -> TrainingLoop:
+    from echorl.actor.backend import TorchBackend
+    from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+
+    backend = TorchBackend.from_pretrained(tiny)
+    task = load_task("addition", digits=2, seed=0, n_eval=16)
+    s = local.loop_settings(TrainLocalConfig(staleness=2, checkpoint_dir=str(tmp_path / "ck"), seed=3))
+    for k, v in settings.items():
+        setattr(s, k, v)
+    return TrainingLoop(s, task, GRPOTrainer(backend.model, GRPOConfig()), StalenessBuffer(2), backend)
+
+
+def test_checkpoint_is_assembled_from_components_and_restores_each(tiny, tmp_path):
+    class Part:
+        def __init__(self) -> None:
+            self.state = {"n": 0}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, state):
+            self.state = dict(state)
+
+    a = _real_loop(tiny, tmp_path)
+    part = Part()
+    part.state = {"n": 7}
+    a.attach("service", part)
+    a.buffer.next_prompts(a.task, 4)
+    a.prompts_trained_twice, a.first_eval = 2, 0.25
+    trio.run(a.checkpoint)
+
+    b = _real_loop(tiny, tmp_path)
+    assert b.resume()
+    assert b.resumed_extra["task"] == "addition" and set(b.resumed_extra) >= {"loop", "buffer", "service"}
+    assert b.task.cursor == a.task.cursor and len(b.buffer.pending_prompts()) == 4
+    assert (b.prompts_trained_twice, b.first_eval) == (2, 0.25)
+    late = Part()
+    b.attach("service", late)  # attached after the resume: loads its saved state then
+    assert late.state == {"n": 7}
+
+
+def test_eval_is_one_fixed_sample_of_the_held_out_set(tiny, tmp_path):
+    loop = _real_loop(tiny, tmp_path, eval_prompts=4)
+    full1, n_full = loop.evaluate(full=True)
+    full2, _ = loop.evaluate(full=True)
+    _, n_part = loop.evaluate(full=False)
+    assert full1 == full2 and n_full == len(loop.task.eval_prompts()) == 16 and n_part == 4
