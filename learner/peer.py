@@ -59,6 +59,7 @@ class LearnerConfig:
     lease_timeout_s: float = 30.0
     liveness_after_s: float = 3.0
     listen: str = "/ip4/127.0.0.1/tcp/0"
+    announce: list[str] = field(default_factory=list)  # public addresses advertised first (net/addrs.py)
     key: str = ""
     addr_file: str = ""
     metrics_out: str = ""
@@ -99,7 +100,12 @@ class LearnerConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="JSON file with LearnerConfig fields")
-    p.add_argument("--listen", help="multiaddr to listen on (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--listen", help="multiaddr to listen on (default /ip4/127.0.0.1/tcp/0; "
+                                    "/ip4/0.0.0.0/tcp/4001 for nodes on other machines)")
+    p.add_argument("--announce", action="append", metavar="ADDR",
+                   help="public address to advertise, e.g. /ip4/203.0.113.7/tcp/4001 or /dns4/host/tcp/4001, "
+                        "when nodes reach this machine through NAT or port forwarding (repeatable; listed "
+                        "before the interface addresses)")
     p.add_argument("--key", help="key file (created if missing; default: a fresh key per run)")
     p.add_argument("--steps", type=int, help="stop after this many steps (0: run until stopped)")
     p.add_argument("--staleness", type=int, help="staleness bound S")
@@ -150,7 +156,7 @@ def _check_task_and_model(cfg: LearnerConfig, task_option: list[str] | None) -> 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
-    keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model", "task",
+    keys = ("listen", "announce", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model", "task",
             "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
             "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction", "activation")
     try:
@@ -165,11 +171,28 @@ def run(args: argparse.Namespace) -> int:
     if cfg.resume and not cfg.checkpoint_dir:
         print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
         return 2
+    problem = _check_addresses(cfg)
+    if problem:
+        print(f"echorl learner: {problem}", file=sys.stderr)
+        return 2
     try:
         trio.run(serve, cfg)
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _check_addresses(cfg: LearnerConfig) -> str | None:
+    """The listen and announce addresses, checked before the model loads; a fixed port that
+    another program (or learner) holds is refused here rather than failing inside libp2p."""
+    from echorl.net.addrs import AddressError, parse_announce, parse_listen, port_taken
+
+    try:
+        cfg.listen = parse_listen(cfg.listen)
+        cfg.announce = [parse_announce(a) for a in cfg.announce]
+    except AddressError as exc:
+        return str(exc)
+    return port_taken(cfg.listen)
 
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -204,7 +227,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     remembered = restore_service(service, trainer.resume_extra.get("service", {}))
     trainer.service_state = lambda: service_state(service)
     try:
-        async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+        async with open_host(identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
             service.install(host)
             store.install(host)
             async with trio.open_nursery() as nursery:
@@ -214,8 +237,11 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                 nursery.start_soon(redial, host, remembered)  # nodes that knew our old address
                 nursery.start_soon(_stop_on_signal, trainer, service, nursery.cancel_scope)
                 await trainer.loop(service, publisher, membership)
-                if not trainer.stopping:  # the final version reaches the nodes
+                if not trainer.stopping:  # the final version reaches the nodes, then they are told it is over
                     await publisher.drain(cfg.broadcast_timeout_s)
+                    v = trainer.grpo.version
+                    await service.run_end.announce(v, v, lambda: [p.peer_id for p in service.active_peers(10.0)],
+                                                   grace_s=min(30.0, cfg.lease_timeout_s))
                 if cfg.checkpoint_dir:
                     await trainer.checkpoint()
                 nursery.cancel_scope.cancel()

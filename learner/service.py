@@ -55,6 +55,7 @@ from echorl.net import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
+from echorl.learner.membership import RunEnd, check_identity
 from echorl.learner.spot_check import SpotChecker
 
 log = logging.getLogger("echorl.node.learner")
@@ -144,6 +145,8 @@ class LearnerService:
         self.vocab_size = vocab_size
         self.book = LeaseBook()
         self.peers: dict[str, PeerRecord] = {}
+        self.instances: dict[str, bytes] = {}  # peer id -> its live process (learner/membership.py)
+        self.run_end = RunEnd(identity, run_id)  # set once training is over: leases get RunEnded
         self.version = 0  # the trainer's newest version t
         self.published = 0  # newest version handed to the broadcast (and the fetch fallback)
         self.stopping = False  # no new leases (the learner is checkpointing and exiting)
@@ -199,6 +202,8 @@ class LearnerService:
         self.book.check_nonce(msg.nonce)
         self.book.settle(f"join:{msg.nonce.hex()}", "join", msg.nonce)
         self.counters["signatures_verified"] += 1
+        check_identity(self.peers, self.instances, msg, ctx.peer_id,
+                       2 * (self.policy.liveness_after_s + self.policy.ping_timeout_s))
         now = time.monotonic()
         old = self.peers.get(ctx.peer_id)
         rec = PeerRecord(ctx.peer_id, msg.capability, now, now, msg.version)
@@ -219,6 +224,8 @@ class LearnerService:
         if self.banned(ctx.peer_id):
             raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                                 f"refused: {self.mismatches[ctx.peer_id]} behaviour log-prob mismatches")
+        if self.run_end.final is not None:
+            return self.run_end.reply(ctx.peer_id, peer)
         pol = self.policy
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)

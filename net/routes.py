@@ -7,7 +7,7 @@ from echorl.protocol import limits
 from echorl.net.ratelimit import RateLimit
 
 JOIN = "/echorl/join/1"  # JoinRequest -> JoinAccepted
-LEASE = "/echorl/lease/1"  # LeaseRequest -> Lease | LeaseDeferred
+LEASE = "/echorl/lease/1"  # LeaseRequest -> Lease | LeaseDeferred | RunEnded
 SUBMIT = "/echorl/submit/1"  # Submit -> SubmitAccepted
 RETURN = "/echorl/return/1"  # LeaseReturn -> LeaseReturn (the lease ids re-queued)
 MANIFEST = "/echorl/manifest/1"  # ManifestRequest -> Manifest

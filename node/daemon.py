@@ -4,9 +4,13 @@ weights through the learner's broadcast (a relay that also forwards chunks to it
 forever. A node refused for old weights waits for the broadcast in flight, then catches up from
 peers, then fetches directly from the learner.
 
-Reconnects with exponential backoff (plus jitter) when the learner is unreachable; on SIGTERM or
-SIGINT it returns the lease it holds (so its prompts are re-queued at once), writes its newest
-version to disk and exits 0.
+Addresses are checked before the model loads (a bad one: one line, exit 2). Reconnects with
+exponential backoff (plus jitter, at most 15 s) when the learner is unreachable, saying why
+(refused, timed out, wrong peer id); gives up with exit 1 after ``--give-up-after`` seconds
+without the learner. A learner that refuses the key as already in use (``identity_in_use``) ends
+the node at once (exit 2). When the run is over the learner answers ``RunEnded``: the node logs
+its contribution and exits 0. On SIGTERM or SIGINT it returns the lease it holds (so its prompts
+are re-queued at once), writes its newest version to disk and exits 0.
 
 The newest verified version is kept in ``--state-dir`` (``node/state.py``); a restart with
 the same key starts from it, after verifying it against the pinned learner and the run.
@@ -42,7 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "only manifests signed by this peer are accepted")
     p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the built-in model's seed")
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (others relay weights to us through it)")
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0",
+                   help="multiaddr to listen on (others relay weights to us through it); /ip4/0.0.0.0/tcp/4002 "
+                        "for a network with other machines")
+    p.add_argument("--announce", action="append", default=[], metavar="ADDR",
+                   help="public address to advertise (repeatable), e.g. a forwarded port /ip4/203.0.113.9/tcp/4002")
+    p.add_argument("--give-up-after", dest="give_up_after", type=float, default=300.0,
+                   help="exit (status 1) after this many seconds without reaching the learner (0: never)")
     p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8, help="most prompts asked for per lease")
     p.add_argument("--state-dir", dest="state_dir", default=None,
                    help="where the newest verified weights are kept, so a restart does not re-download "
@@ -58,14 +68,47 @@ class NodeState:
     leases_done: int = 0
     current_lease: str = ""
     weights: Any = None  # NodeWeights
+    instance: bytes = b""  # random per process: the learner refuses a second live process with our key
+    last_contact: float = 0.0  # monotonic time the learner last answered
+    ended: Any = None  # the learner's RunEnded, once the run is over
+
+
+class NodeExit(Exception):
+    """Ends the node with ``code`` and a one-line ``message`` (no traceback)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+def check_addresses(args: argparse.Namespace) -> str | None:
+    """Every address the user gave, checked before anything slow happens; the problem or None."""
+    from echorl.net.addrs import AddressError, parse_announce, parse_listen, parse_peer_addr
+
+    try:
+        args.bootstrap = parse_peer_addr(args.bootstrap)
+        args.listen = parse_listen(args.listen)
+        args.announce = [parse_announce(a) for a in args.announce or []]
+        if args.learner_id:
+            parse_peer_addr(f"/ip4/127.0.0.1/tcp/1/p2p/{args.learner_id}", "--learner-id")
+    except AddressError as exc:
+        return str(exc)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s", stream=sys.stderr)
+    problem = check_addresses(args)
+    if problem:
+        print(f"echorl node: {problem}", file=sys.stderr)
+        return 2
     try:
         trio.run(main, args)
     except KeyboardInterrupt:
         return 130
+    except NodeExit as exc:
+        print(f"echorl node: {exc}", file=sys.stderr)
+        return exc.code
     return 0
 
 
@@ -111,8 +154,11 @@ async def main(args: argparse.Namespace) -> None:
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, args)
     log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
-    state = NodeState(run_id=args.run_id)
-    async with open_host(identity, HostConfig(listen=args.listen)) as host:
+    import secrets
+
+    state = NodeState(run_id=args.run_id, instance=secrets.token_bytes(16), last_contact=time.monotonic())
+    fatal: NodeExit | None = None  # raised once every nursery is closed (no exception group)
+    async with open_host(identity, HostConfig(listen=args.listen, announce=tuple(args.announce))) as host:
         cap = _capability(args, backend, tps, host.addrs)
         state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps),
                                     keeper=SnapshotKeeper(state_dir, args.run_id))
@@ -123,13 +169,22 @@ async def main(args: argparse.Namespace) -> None:
             nursery.start_soon(_wait_signal, stop)
             with trio.CancelScope() as work:
                 nursery.start_soon(_cancel_when, stop, work)
-                await _work_forever(host, args, state, cap, nursery)
+                try:
+                    await _work_forever(host, args, state, cap, nursery)
+                except NodeExit as exc:
+                    fatal = exc
             await _return_lease(host, state)
             with trio.move_on_after(120):
                 await state.weights.flush()  # the newest version on disk before we go
             nursery.cancel_scope.cancel()
     log.info("node stopped after %d leases (versions loaded: %s; started from on-disk v%d)",
              state.leases_done, state.weights.loads, state.weights.started_from)
+    if state.ended is not None:
+        e = state.ended
+        print(f"echorl node: run {e.run_id} is over (final version {e.version}, {e.steps} steps); this node "
+              f"contributed {e.leases_done} leases, {e.groups_accepted} rollout groups accepted", file=sys.stderr)
+    if fatal is not None:
+        raise fatal
 
 
 async def _wait_signal(stop: trio.Event) -> None:
@@ -163,20 +218,36 @@ async def _return_lease(host: Any, state: NodeState) -> None:
 
 async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, cap: Any,
                         nursery: trio.Nursery) -> None:
-    from echorl.net.host import PeerUnavailable, RemoteError
+    from echorl.protocol.errors import ErrorCode, ProtocolError
+
+    from echorl.net.host import PeerUnavailable
 
     backoff = 0.5
     while True:
         started = time.monotonic()
         try:
             await _session(host, args, state, cap, nursery)
-        except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
-            if state.leases_done and time.monotonic() - started > 10.0:
-                backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
-            log.warning("learner unreachable or refused (%s); retrying in %.1f s", exc, backoff)
+        except RunOver:
+            return
+        except ProtocolError as exc:  # an Error reply (RemoteError) or a RunEnded that fails verification
+            if exc.code == ErrorCode.IDENTITY_IN_USE:
+                raise NodeExit(2, f"the learner refused this node: {exc.detail} (key {args.key})") from None
+            log.warning("learner refused (%s); retrying in %.1f s", exc, backoff)
+        except (PeerUnavailable, trio.TooSlowError) as exc:
+            log.warning("learner unreachable: %s; retrying in %.1f s", exc, backoff)
+        if state.leases_done and time.monotonic() - started > 10.0:
+            backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
         state.current_lease = ""
+        silent = time.monotonic() - state.last_contact
+        if args.give_up_after > 0 and silent + backoff > args.give_up_after:
+            raise NodeExit(1, f"gave up: no answer from the learner for {silent:.0f} s (--give-up-after "
+                              f"{args.give_up_after:g}); is the run still going at {args.bootstrap}?")
         await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
         backoff = min(backoff * 2, 15.0)
+
+
+class RunOver(Exception):
+    """The learner said the run is over (``state.ended`` holds its signed ``RunEnded``)."""
 
 
 async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: Any, nursery: trio.Nursery) -> None:
@@ -195,9 +266,12 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
                                        pinned=getattr(args, "learner_id", None))
     await weights.attach(state.learner, nursery)
     join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=weights.version,
-                                 timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
+                                 timestamp=time.time(), nonce=secrets.token_bytes(16), instance=state.instance),
+                     host.identity)
     accepted = await host.request(state.learner, routes.JOIN, join, expect=JoinAccepted)
     assert isinstance(accepted, JoinAccepted)
+    state.last_contact = time.monotonic()
+    _log_observed(host)
     log.info("joined run %s at learner version %d (S=%d) holding v%d", state.run_id, accepted.version,
              accepted.staleness_bound, weights.version)
     if weights.version > accepted.version:  # the learner resumed from an older checkpoint
@@ -223,14 +297,20 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
 async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) -> tuple[Any, float]:
     """(lease, 0) or (None, seconds to wait): a deferral for old or unknown weights updates them
     first and asks again at once (or shortly, if nothing newer is to be had yet)."""
-    from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
+    from echorl.protocol import wire
+    from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, RunEnded
 
     from echorl.net import routes
 
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
                                LeaseRequest(run_id=state.run_id, version=weights.version,
-                                            max_prompts=args.max_prompts), expect=(Lease, LeaseDeferred))
+                                            max_prompts=args.max_prompts), expect=(Lease, LeaseDeferred, RunEnded))
+    state.last_contact = time.monotonic()
+    if isinstance(reply, RunEnded):
+        await trio.to_thread.run_sync(wire.verify, reply, state.learner)  # only the pinned learner ends our run
+        state.ended = reply
+        raise RunOver()
     if isinstance(reply, Lease):
         return reply, 0.0
     assert isinstance(reply, LeaseDeferred)
@@ -243,6 +323,17 @@ async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) 
         await weights.ensure(max(reply.want_version, weights.version + 1))
         return None, (0.05 if weights.version == before else 0.0)  # nothing newer anywhere yet
     return None, max(reply.retry_after_s, 0.01)
+
+
+def _log_observed(host: Any) -> None:
+    """Log how the learner sees us (identify's observed address), once it differs from before."""
+    seen = host.observed_addrs()
+    if seen and seen != getattr(host, "_logged_observed", None):
+        host._logged_observed = seen
+        mine = {a.split("/p2p/")[0].rsplit("/tcp/", 1)[0] for a in host.addrs}
+        behind = all(a.rsplit("/tcp/", 1)[0] not in mine for a in seen)
+        log.info("the learner sees this node as %s%s", ", ".join(seen),
+                 " (not one of our addresses: behind NAT, so a broadcast leaf)" if behind else "")
 
 
 async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:

@@ -1,0 +1,69 @@
+"""Who a joined node is, and how its run ends: the learner-side rules a volunteer meets first.
+
+* One key, one live node. A node process sends a random ``instance`` with its join; while the
+  peer id's current instance is live (heard from within ``window_s``), a join from another
+  instance is refused with ``identity_in_use``: two processes sharing a key would be counted as
+  one node (one lease book, one throughput) and steal each other's connection. A restarted node
+  (its old process gone quiet) is accepted and replaces the old record.
+* The end of a run. Once training is over the learner answers every lease request with a signed
+  ``RunEnded`` carrying that node's contribution, and keeps serving for a short grace period
+  until every live node has been told, so volunteers exit 0 instead of retrying forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import trio
+
+from echorl.protocol import wire
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.messages import JoinRequest, RunEnded
+
+log = logging.getLogger("echorl.learner.membership")
+
+
+def check_identity(peers: dict[str, Any], instances: dict[str, bytes], msg: JoinRequest, peer_id: str,
+                   window_s: float) -> None:
+    """Refuse (``identity_in_use``) a join from a second live process of an already-joined peer;
+    otherwise remember ``msg.instance`` as the peer's current process."""
+    old = peers.get(peer_id)
+    current = instances.get(peer_id, b"")
+    if (old is not None and msg.instance and current and msg.instance != current and old.alive
+            and time.monotonic() - old.last_seen < window_s):
+        log.warning("join of %s refused: another live process uses this key", peer_id[:16])
+        raise ProtocolError(ErrorCode.IDENTITY_IN_USE,
+                            "another node process with this key is running and joined; give each node its own --key")
+    if msg.instance:
+        instances[peer_id] = msg.instance
+
+
+class RunEnd:
+    """The end-of-run notice: set once training is over, answered to each lease request."""
+
+    def __init__(self, identity: Any, run_id: str) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.final: tuple[int, int] | None = None  # (version, steps) once the run is over
+        self.told: set[str] = set()
+
+    def reply(self, peer_id: str, record: Any) -> RunEnded:
+        assert self.final is not None
+        version, steps = self.final
+        self.told.add(peer_id)
+        return wire.sign(RunEnded(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version,
+                                  steps=steps, leases_done=record.leases_done, groups_accepted=record.groups_accepted,
+                                  timestamp=time.time()), self.identity)
+
+    async def announce(self, version: int, steps: int, live: Any, grace_s: float) -> None:
+        """Mark the run over and wait (at most ``grace_s``) until every live node has asked for
+        a lease and been told; ``live()`` lists the live peer ids."""
+        self.final = (version, steps)
+        with trio.move_on_after(grace_s):
+            while set(live()) - self.told:
+                await trio.sleep(0.1)
+        missing = set(live()) - self.told
+        log.info("run over at v%d: %d nodes told%s", version, len(self.told),
+                 f", {len(missing)} not reached" if missing else "")
