@@ -67,3 +67,44 @@ class RunEnd:
         missing = set(live()) - self.told
         log.info("run over at v%d: %d nodes told%s", version, len(self.told),
                  f", {len(missing)} not reached" if missing else "")
+
+
+MULTISTREAM = b"/multistream/1.0.0\n"
+
+
+async def dial_back(addrs: list[str], timeout_s: float = 2.0) -> bool:
+    """Whether some advertised address of a node accepts a TCP connection from here and speaks
+    libp2p (answers the multistream-select header). A node behind NAT advertises addresses of
+    its private network, which fail; such a node must be a broadcast leaf (children dial their
+    parents). At most 8 addresses, tried in parallel; the first success ends the others."""
+    from echorl.net.addrs import tcp_endpoint
+
+    endpoints = [e for e in (tcp_endpoint(a) for a in addrs[:8]) if e is not None]
+    ok = False
+    async with trio.open_nursery() as nursery:
+        async def probe(host: str, port: int) -> None:
+            nonlocal ok
+            if await _speaks_libp2p(host, port, timeout_s):
+                ok = True
+                nursery.cancel_scope.cancel()
+
+        for host, port in endpoints:
+            nursery.start_soon(probe, host, port)
+    return ok
+
+
+async def _speaks_libp2p(host: str, port: int, timeout_s: float) -> bool:
+    got = b""
+    with trio.move_on_after(timeout_s):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                await stream.send_all(bytes([len(MULTISTREAM)]) + MULTISTREAM)
+                while MULTISTREAM not in got and len(got) < 256:
+                    chunk = await stream.receive_some(256)
+                    if not chunk:
+                        break
+                    got += chunk
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+    return MULTISTREAM in got

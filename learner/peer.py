@@ -307,15 +307,19 @@ async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, traine
 
 
 async def _announce(cfg: LearnerConfig, host: Any, nursery: trio.Nursery, task_status: Any) -> Any:
-    """DHT server + signed learner record; print and write the bootstrap address."""
+    """DHT server + signed learner record; print and write the bootstrap address (the first
+    advertised one: ``--announce``, else a real interface address, never a wildcard)."""
     from echorl.net.membership import Membership
 
-    addr = host.addrs[0]
+    addrs = host.addrs
+    addr = addrs[0]
     membership = Membership(host, cfg.run_id, server=True)
     if cfg.dht:
         await nursery.start(membership.run)
-        await membership.publish_learner_record(addr)
+        await membership.publish_learner_record(addrs)
     print(f"learner bootstrap: {addr}", flush=True)
+    for other in addrs[1:]:
+        print(f"learner also at: {other}", flush=True)
     if cfg.addr_file:
         tmp = Path(cfg.addr_file + ".tmp")
         tmp.write_text(addr + "\n")

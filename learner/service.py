@@ -55,7 +55,7 @@ from echorl.net import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
-from echorl.learner.membership import RunEnd, check_identity
+from echorl.learner.membership import RunEnd, check_identity, dial_back
 from echorl.learner.spot_check import SpotChecker
 
 log = logging.getLogger("echorl.node.learner")
@@ -204,16 +204,20 @@ class LearnerService:
         self.counters["signatures_verified"] += 1
         check_identity(self.peers, self.instances, msg, ctx.peer_id,
                        2 * (self.policy.liveness_after_s + self.policy.ping_timeout_s))
+        cap = msg.capability  # reachable only if we can dial it back (a NAT'd node is a broadcast leaf)
+        if cap.reachable and not await dial_back(list(cap.listen_addrs)):
+            cap = cap.model_copy(update={"reachable": False})
         now = time.monotonic()
         old = self.peers.get(ctx.peer_id)
-        rec = PeerRecord(ctx.peer_id, msg.capability, now, now, msg.version)
+        rec = PeerRecord(ctx.peer_id, cap, now, now, msg.version)
         if old is not None:  # a re-join keeps the throughput history
             rec.leases_done, rec.groups_accepted = old.leases_done, old.groups_accepted
             rec.generate_seconds, rec.groups_generated = old.generate_seconds, old.groups_generated
         self.peers[ctx.peer_id] = rec
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
-        log.info("joined: %s (%s, %.0f tok/s)", ctx.peer_id[:16], msg.capability.device, msg.capability.tokens_per_s)
+        log.info("joined: %s (%s, %.0f tok/s, %s)", ctx.peer_id[:16], cap.device, cap.tokens_per_s,
+                 "reachable" if cap.reachable else "not reachable: a broadcast leaf")
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
 
@@ -401,7 +405,7 @@ class LearnerService:
                           "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
                           "leases": len(self.book.held_by(p.peer_id)), "leases_done": p.leases_done,
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
-                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
+                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive, "reachable": c.reachable,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
                           "standby": self.is_standby(p.peer_id)})
         return Status(run_id=self.run_id, learner=learner, peers=peers)

@@ -140,12 +140,18 @@ def advertised_addrs(bound: list[str], announce: list[str] | tuple[str, ...], pe
     return list(dict.fromkeys(out))
 
 
-def is_loopback(addr: str) -> bool:
+def tcp_endpoint(addr: str) -> tuple[str, int] | None:
+    """(ip, port) of an ``/ip4|ip6/IP/tcp/PORT[/p2p/…]`` address; None for anything else."""
     try:
         parts = _parts(multiaddr.Multiaddr(addr.split("/p2p/")[0]))
-        return parts[0][0] in _IP and ipaddress.ip_address(parts[0][1]).is_loopback
-    except Exception:  # noqa: BLE001
-        return False
+    except Exception:  # noqa: BLE001 - addresses from the network: ignored when malformed
+        return None
+    if len(parts) != 2 or parts[0][0] not in _IP or parts[1][0] != "tcp":
+        return None
+    ip, port = parts[0][1], int(parts[1][1])
+    if ipaddress.ip_address(ip).is_unspecified or not 0 < port < 65536:
+        return None
+    return ip, port
 
 
 def _walk(exc: BaseException) -> list[BaseException]:
