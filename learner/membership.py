@@ -72,14 +72,16 @@ class RunEnd:
 MULTISTREAM = b"/multistream/1.0.0\n"
 
 
-async def dial_back(addrs: list[str], timeout_s: float = 2.0) -> bool:
+async def dial_back(addrs: list[str], remote_ip: str | None, timeout_s: float = 2.0) -> bool:
     """Whether some advertised address of a node accepts a TCP connection from here and speaks
     libp2p (answers the multistream-select header). A node behind NAT advertises addresses of
     its private network, which fail; such a node must be a broadcast leaf (children dial their
-    parents). At most 8 addresses, tried in parallel; the first success ends the others."""
+    parents). Only addresses on ``remote_ip`` (where the node's connection comes from) are
+    dialed, so a join cannot make the learner connect to third parties; at most 8, in
+    parallel, the first success ends the others."""
     from echorl.net.addrs import tcp_endpoint
 
-    endpoints = [e for e in (tcp_endpoint(a) for a in addrs[:8]) if e is not None]
+    endpoints = [e for e in (tcp_endpoint(a) for a in addrs[:16]) if e is not None and e[0] == remote_ip][:8]
     ok = False
     async with trio.open_nursery() as nursery:
         async def probe(host: str, port: int) -> None:

@@ -205,7 +205,8 @@ class LearnerService:
         check_identity(self.peers, self.instances, msg, ctx.peer_id,
                        2 * (self.policy.liveness_after_s + self.policy.ping_timeout_s))
         cap = msg.capability  # reachable only if we can dial it back (a NAT'd node is a broadcast leaf)
-        if cap.reachable and not await dial_back(list(cap.listen_addrs)):
+        remote = self.host.remote_ip(ctx.peer_id) if self.host is not None else None
+        if cap.reachable and not await dial_back(list(cap.listen_addrs), remote):
             cap = cap.model_copy(update={"reachable": False})
         now = time.monotonic()
         old = self.peers.get(ctx.peer_id)

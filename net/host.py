@@ -128,6 +128,15 @@ class Host:
         bound = [str(a) for a in self.libp2p.get_transport_addrs()]
         return advertised_addrs(bound, self.config.announce, self.peer_id)
 
+    def remote_ip(self, peer_id: str) -> str | None:
+        """The IP address our connection to ``peer_id`` comes from (None if not connected)."""
+        for conn in self.libp2p.get_network().get_connections(ID.from_base58(peer_id)):
+            get_remote = getattr(getattr(conn, "muxed_conn", None), "get_remote_address", None)
+            remote = get_remote() if callable(get_remote) else None
+            if isinstance(remote, tuple) and len(remote) == 2:
+                return str(remote[0])
+        return None
+
     def observed_addrs(self) -> list[str]:
         """Our addresses as connected peers saw them (identify's observed address; empty on
         loopback). For a node behind NAT this is the NAT's public side, not a listen address."""

@@ -1,6 +1,7 @@
 """A volunteer's first five minutes: bad addresses, a dead learner, a taken port, a shared key
 and the end of a run each give one clear line and a meaningful exit status."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -70,3 +71,26 @@ def test_same_key_refused_and_run_end_is_announced(swarm):
     assert swarm.learner.wait(timeout=60) == 0
     learner_log = swarm.learner_log.read_text()
     assert "nodes told" in learner_log and "1 nodes told" in learner_log, learner_log[-2000:]
+
+
+def test_doctor_checks_a_live_learner_and_explains_a_dead_one(swarm, tmp_path):
+    bad = echorl("doctor", "--bootstrap", "garbage")
+    assert bad.returncode == 2 and "is not a multiaddr" in bad.stderr
+    key = tmp_path / "open.key"
+    key.write_text("x")
+    key.chmod(0o644)
+    addr = swarm.start_learner("--steps", "0")
+    out = echorl("doctor", "--bootstrap", addr, "--key", str(key), "--download-seconds", "2", "--json", timeout=120)
+    report = json.loads(out.stdout)
+    rows = {r["check"]: r for r in report["checks"]}
+    assert rows["dial"]["status"] == "pass" and "ping" in rows["dial"]["detail"]
+    assert rows["run"]["status"] == "pass" and "echorl-demo" in rows["run"]["detail"]
+    assert rows["download"]["status"] in ("pass", "warn") and "Mbit/s" in rows["download"]["detail"]
+    assert rows["clock"]["status"] == "pass"
+    assert rows["key"]["status"] == "fail" and "chmod 600" in rows["key"]["detail"]
+    assert out.returncode == 1 and report["ok"] is False  # only because of the key's mode
+    assert [r["check"] for r in report["checks"] if r["status"] == "fail"] == ["key"]
+    swarm.stop()
+    dead = echorl("doctor", "--bootstrap", addr, "--key", str(tmp_path / "k"), "--json", timeout=120)
+    rows = {r["check"]: r for r in json.loads(dead.stdout)["checks"]}
+    assert dead.returncode == 1 and rows["dial"]["status"] == "fail" and "refused" in rows["dial"]["detail"]
