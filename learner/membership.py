@@ -40,6 +40,35 @@ def check_identity(peers: dict[str, Any], instances: dict[str, bytes], msg: Join
         instances[peer_id] = msg.instance
 
 
+class Members:
+    """The service's membership rules: who may join (one live process per key), whether a joiner
+    is reachable (dial-back), and the end-of-run answer to lease requests."""
+
+    def __init__(self, identity: Any, run_id: str) -> None:
+        self.instances: dict[str, bytes] = {}  # peer id -> its current process's instance
+        self.run_end = RunEnd(identity, run_id)
+
+    async def admit(self, msg: JoinRequest, peer_id: str, peers: dict[str, Any], host: Any, policy: Any) -> Any:
+        """The joiner's capability as the learner will use it: ``identity_in_use`` for a second
+        live process; ``reachable`` only if a dial-back to its advertised addresses works."""
+        check_identity(peers, self.instances, msg, peer_id, 2 * (policy.liveness_after_s + policy.ping_timeout_s))
+        cap = msg.capability
+        remote = host.remote_ip(peer_id) if host is not None else None
+        if cap.reachable and not await dial_back(list(cap.listen_addrs), remote):
+            cap = cap.model_copy(update={"reachable": False})
+        log.info("%s is %s", peer_id[:16], "reachable" if cap.reachable else "not reachable: a broadcast leaf")
+        return cap
+
+    def lease_or_end(self, handler: Any, peers: dict[str, Any]) -> Any:
+        """``handler`` for lease requests, answered with ``RunEnded`` once the run is over."""
+        async def lease(msg: Any, ctx: Any) -> Any:
+            peer = peers.get(ctx.peer_id)
+            if self.run_end.final is not None and peer is not None:
+                return self.run_end.reply(ctx.peer_id, peer)
+            return await handler(msg, ctx)
+        return lease
+
+
 class RunEnd:
     """The end-of-run notice: set once training is over, answered to each lease request."""
 

@@ -5,8 +5,9 @@ run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signa
 not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
 staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
-behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``).
-Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
+behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``) →
+rewards by the task verifier, for episodes by replay (``env_mismatch``, ``learner/replay.py``,
+counted against the peer like a log-prob mismatch). Accepted groups go to the ``StalenessBuffer``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
 recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
@@ -35,14 +36,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
+from pydantic import Field
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.learner.config import LeaseFields
+from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
@@ -50,34 +54,30 @@ from echorl.protocol.messages import (
     Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeasePrompt, LeaseRequest, LeaseReturn, Message,
     SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
 )
+from echorl.tasks.env import is_episodic
 
 from echorl.net import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
-from echorl.learner.membership import RunEnd, check_identity, dial_back
+from echorl.learner.membership import Members
 from echorl.learner.spot_check import SpotChecker
 
 log = logging.getLogger("echorl.node.learner")
 
 
-@dataclass
-class LeasePolicy:
-    staleness: int = 4
-    group_size: int = 8
-    prompts_per_step: int = 16
-    prompts_per_lease: int = 8
-    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``lease_seconds``)
-    liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
-    ping_timeout_s: float = 3.0
-    heartbeat_s: float = 2.0
-    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
+class LeasePolicy(LeaseFields):
+    """The lease service's settings: the :class:`LeaseFields` section of the learner's config
+    plus the sampling spec leases carry (taken from the task and the trainer)."""
+
+    sampling: SamplingSpec = Field(default_factory=lambda: SamplingSpec(
         temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
-    activation: str = "all"  # "all": every node is leased work; "cost": cheapest sufficient set (DESIGN §7)
-    activation_margin: float = 0.25  # base margin over the required throughput (plus the observed loss rate)
-    activation_interval_s: float = 2.0  # re-decide this often; also the standby nodes' retry_after_s
-    activation_loss_window_s: float = 300.0  # node losses counted for the preemption margin
-    activation_hysteresis: float = 0.25  # extra margin a decision must meet to park a currently active node
+    """what every lease asks the node to sample with"""
+
+    @classmethod
+    def of(cls, cfg: LeaseFields, sampling: SamplingSpec) -> "LeasePolicy":
+        """The policy of a learner config, field by field (no field is named here)."""
+        return cls(**cfg.model_dump(include=set(LeaseFields.model_fields)), sampling=sampling)
 
     @property
     def version_lag(self) -> int:
@@ -145,8 +145,7 @@ class LearnerService:
         self.vocab_size = vocab_size
         self.book = LeaseBook()
         self.peers: dict[str, PeerRecord] = {}
-        self.instances: dict[str, bytes] = {}  # peer id -> its live process (learner/membership.py)
-        self.run_end = RunEnd(identity, run_id)  # set once training is over: leases get RunEnded
+        self.members = Members(identity, run_id)  # one process per key, dial-back, run end (learner/membership.py)
         self.version = 0  # the trainer's newest version t
         self.published = 0  # newest version handed to the broadcast (and the fetch fallback)
         self.stopping = False  # no new leases (the learner is checkpointing and exiting)
@@ -162,7 +161,7 @@ class LearnerService:
         self.ban_after = 3  # mismatches before a peer is refused leases (0: never)
         self.mismatches: dict[str, int] = {}  # peer id -> spot-check mismatches (flags survive re-joins)
         self.counters.update({"spot_checks": 0, "spot_checks_skipped": 0, "rollouts_rejected_logprob": 0,
-                              "peers_flagged": 0, "peers_banned": 0})
+                              "rollouts_rejected_env": 0, "peers_flagged": 0, "peers_banned": 0})
         self.spot_check_seconds = 0.0
         self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
         # cost-aware activation: the current decision (None: everyone active), the required Σμ
@@ -176,7 +175,8 @@ class LearnerService:
     def install(self, host: Host) -> None:
         self.host = host
         for proto, handler, req in (
-            (routes.JOIN, self.on_join, JoinRequest), (routes.LEASE, self.on_lease, LeaseRequest),
+            (routes.JOIN, self.on_join, JoinRequest),
+            (routes.LEASE, self.members.lease_or_end(self.on_lease, self.peers), LeaseRequest),
             (routes.SUBMIT, self.on_submit, Submit), (routes.RETURN, self.on_return, LeaseReturn),
             (routes.STATUS, self.on_status, StatusRequest),
         ):
@@ -202,12 +202,7 @@ class LearnerService:
         self.book.check_nonce(msg.nonce)
         self.book.settle(f"join:{msg.nonce.hex()}", "join", msg.nonce)
         self.counters["signatures_verified"] += 1
-        check_identity(self.peers, self.instances, msg, ctx.peer_id,
-                       2 * (self.policy.liveness_after_s + self.policy.ping_timeout_s))
-        cap = msg.capability  # reachable only if we can dial it back (a NAT'd node is a broadcast leaf)
-        remote = self.host.remote_ip(ctx.peer_id) if self.host is not None else None
-        if cap.reachable and not await dial_back(list(cap.listen_addrs), remote):
-            cap = cap.model_copy(update={"reachable": False})
+        cap = await self.members.admit(msg, ctx.peer_id, self.peers, self.host, self.policy)
         now = time.monotonic()
         old = self.peers.get(ctx.peer_id)
         rec = PeerRecord(ctx.peer_id, cap, now, now, msg.version)
@@ -217,8 +212,7 @@ class LearnerService:
         self.peers[ctx.peer_id] = rec
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
-        log.info("joined: %s (%s, %.0f tok/s, %s)", ctx.peer_id[:16], cap.device, cap.tokens_per_s,
-                 "reachable" if cap.reachable else "not reachable: a broadcast leaf")
+        log.info("joined: %s (%s, %.0f tok/s)", ctx.peer_id[:16], msg.capability.device, msg.capability.tokens_per_s)
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
 
@@ -229,8 +223,6 @@ class LearnerService:
         if self.banned(ctx.peer_id):
             raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                                 f"refused: {self.mismatches[ctx.peer_id]} behaviour log-prob mismatches")
-        if self.run_end.final is not None:
-            return self.run_end.reply(ctx.peer_id, peer)
         pol = self.policy
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
@@ -249,7 +241,8 @@ class LearnerService:
         timeout_s = pol.lease_seconds(n, peer.rollouts_per_s, float(peer.capability.tokens_per_s))
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
-                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
+                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p))
+                              for p in prompts],
                      group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
                      deadline_s=timeout_s)
 
@@ -282,7 +275,13 @@ class LearnerService:
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
-        rewards = await trio.to_thread.run_sync(self.buffer.score, groups)  # the verifier: off the event loop
+        try:  # the verifier (episodes: the replay), off the event loop
+            rewards = await trio.to_thread.run_sync(self.buffer.score, groups)
+        except ReplayMismatch as exc:
+            self.counters["rollouts_rejected_env"] += 1
+            self._count_against(ctx.peer_id, rec, msg.nonce, "env_mismatch")
+            log.warning("replay refused an episode of %s: %s", ctx.peer_id[:16], exc)
+            raise ProtocolError(ErrorCode.ENV_MISMATCH, f"episode differs from the learner's replay: {exc}"[:512]) from None
         # the spot check and the verifier ran in worker threads: the lease may have been settled
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
@@ -328,23 +327,29 @@ class LearnerService:
             self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
             return
         self.counters["rollouts_rejected_logprob"] += 1
+        n = self._count_against(peer_id, rec, nonce, "logprob_mismatch")
+        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
+                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
+                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
+                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+
+    def _count_against(self, peer_id: str, rec: LeaseRecord, nonce: bytes, how: str) -> int:
+        """A forged submission: settle it refused, flag the peer, ban at ``ban_after``; the count."""
         if self.book.active.get(rec.lease_id) is rec:  # not settled meanwhile
-            self._settle_refused(rec, nonce, "logprob_mismatch")
+            self._settle_refused(rec, nonce, how)
         n = self.mismatches.get(peer_id, 0) + 1
         self.mismatches[peer_id] = n
         if n == 1:
             self.counters["peers_flagged"] += 1
-        self.spot.flag(peer_id)
-        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        if self.spot is not None:
+            self.spot.flag(peer_id)
         if self.banned(peer_id) and n == self.ban_after:
             self.counters["peers_banned"] += 1
             for gone in self.book.expire_peer(peer_id):
                 self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d log-prob mismatches", peer_id[:16], n)
-        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
-                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
-                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", peer_id[:16], n)
+        return n
 
     def banned(self, peer_id: str) -> bool:
         return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
@@ -360,6 +365,8 @@ class LearnerService:
         if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
             raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
         stop = self.policy.sampling.stop
+        episodic = is_episodic(self.task)
+        limit = self.task.max_episode_tokens if episodic else self.policy.sampling.max_new_tokens
         out = []
         for g in msg.groups:
             if len(g.samples) != rec.group_size:
@@ -367,12 +374,16 @@ class LearnerService:
             prompt = by_id[g.prompt_id]
             samples = []
             for s in g.samples:
-                if len(s.token_ids) > self.policy.sampling.max_new_tokens or any(t >= self.vocab_size for t in s.token_ids):
+                if len(s.token_ids) > limit or any(t >= self.vocab_size for t in s.token_ids):
                     raise ProtocolError(ErrorCode.SCHEMA, "completion too long or token id out of vocabulary")
+                if (s.model_mask is not None) != episodic:
+                    raise ProtocolError(ErrorCode.SCHEMA, "an episode needs a model_mask, a completion has none")
                 text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                 cuts = [text.find(x) for x in stop if x in text]
-                text = text[: min(cuts)] if cuts else text
-                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text))
+                text = text[: min(cuts)] if cuts and not episodic else text
+                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text,
+                                           mask=None if s.model_mask is None else list(s.model_mask),
+                                           reward=float(s.reward_hint) if episodic else None))
             ids = list(self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
             out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
                                   [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))

@@ -25,40 +25,20 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from echorl import config
+from echorl.node.config import NodeConfig
+
 log = logging.getLogger("echorl.node.daemon")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bootstrap", required=True, help="multiaddr of a bootstrap peer (/ip4/…/tcp/…/p2p/<id>)")
-    p.add_argument("--key", default=os.path.expanduser("~/.config/echorl/node.key"),
-                   help="Ed25519 key file (created with mode 0600 if missing)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the node samples")
-    p.add_argument("--price-per-hour", dest="price_per_hour", type=float, default=0.0, help="what this node asks per hour (capability record; used for cost-aware scheduling)")
-    p.add_argument("--run-id", dest="run_id", default="echorl-demo", help="the run to join")
-    p.add_argument("--learner-id", dest="learner_id", default=None,
-                   help="pin the learner's peer ID (default: the bootstrap peer is the learner); "
-                        "only manifests signed by this peer are accepted")
-    p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the built-in model's seed")
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0",
-                   help="multiaddr to listen on (others relay weights to us through it); /ip4/0.0.0.0/tcp/4002 "
-                        "for a network with other machines")
-    p.add_argument("--announce", action="append", default=[], metavar="ADDR",
-                   help="public address to advertise (repeatable), e.g. a forwarded port /ip4/203.0.113.9/tcp/4002")
-    p.add_argument("--give-up-after", dest="give_up_after", type=float, default=300.0,
-                   help="exit (status 1) after this many seconds without reaching the learner (0: never)")
-    p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8, help="most prompts asked for per lease")
-    p.add_argument("--state-dir", dest="state_dir", default=None,
-                   help="where the newest verified weights are kept, so a restart does not re-download "
-                        "them (default: state-<key name>-<run id> next to the --key file)")
-    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
-                   help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
+    config.add_arguments(p, NodeConfig)
 
 
 @dataclass
@@ -68,6 +48,9 @@ class NodeState:
     leases_done: int = 0
     current_lease: str = ""
     weights: Any = None  # NodeWeights
+    allow_env: tuple[str, ...] = ()  # user environments (module:Class) this node agreed to run
+    envs: dict[str, Any] = field(default_factory=dict)  # built environments by (spec, options)
+    membership: Any = None  # Membership (our DHT server)
     instance: bytes = b""  # random per process: the learner refuses a second live process with our key
     last_contact: float = 0.0  # monotonic time the learner last answered
     ended: Any = None  # the learner's RunEnded, once the run is over
@@ -81,29 +64,23 @@ class NodeExit(Exception):
         super().__init__(message)
 
 
-def check_addresses(args: argparse.Namespace) -> str | None:
-    """Every address the user gave, checked before anything slow happens; the problem or None."""
-    from echorl.net.addrs import AddressError, parse_announce, parse_listen, parse_peer_addr
-
-    try:
-        args.bootstrap = parse_peer_addr(args.bootstrap)
-        args.listen = parse_listen(args.listen)
-        args.announce = [parse_announce(a) for a in args.announce or []]
-        if args.learner_id:
-            parse_peer_addr(f"/ip4/127.0.0.1/tcp/1/p2p/{args.learner_id}", "--learner-id")
-    except AddressError as exc:
-        return str(exc)
-    return None
+class RunOver(Exception):
+    """The learner said the run is over (``state.ended`` holds its signed ``RunEnded``)."""
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config.configured(NodeConfig, args, "node")
+    if isinstance(cfg, int):
+        return cfg
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s", stream=sys.stderr)
-    problem = check_addresses(args)
-    if problem:
-        print(f"echorl node: {problem}", file=sys.stderr)
-        return 2
     try:
-        trio.run(main, args)
+        device = _check(cfg)
+    except ValueError as exc:
+        config.fail("node", exc)
+        return 2
+    log.info("node device: %s, engine %s", device, cfg.engine)
+    try:
+        trio.run(main, cfg)
     except KeyboardInterrupt:
         return 130
     except NodeExit as exc:
@@ -112,36 +89,71 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capability(args: argparse.Namespace, backend: Any, tokens_per_s: float, addrs: list[str]) -> Any:
+def _check(cfg: NodeConfig) -> str:
+    """Refuse what cannot work before anything heavy loads: a model path that is not an HF
+    directory, a missing engine, CUDA asked for where there is none. Returns the device's name."""
+    import importlib.util
+
+    _check_addresses(cfg)
+    cfg.check_model()
+    cfg.key = os.path.expanduser(cfg.key)
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise config.ConfigError("vllm is not installed: pip install 'echorl[vllm]' on a CUDA machine")
+    device = cfg.pin_device()
+    if cfg.engine == "vllm" and cfg.device != "cuda:0":
+        raise config.ConfigError(f"--engine vllm runs on cuda:0 (choose the GPU with CUDA_VISIBLE_DEVICES), "
+                                 f"not {cfg.device}")
+    return device
+
+
+def _check_addresses(cfg: NodeConfig) -> None:
+    """Every address the user gave, checked before anything slow happens (AddressError)."""
+    from echorl.net.addrs import parse_announce, parse_listen, parse_peer_addr
+
+    cfg.bootstrap = parse_peer_addr(cfg.bootstrap)
+    cfg.listen = parse_listen(cfg.listen)
+    cfg.announce = [parse_announce(a) for a in cfg.announce]
+    if cfg.learner_id:
+        parse_peer_addr(f"/ip4/127.0.0.1/tcp/1/p2p/{cfg.learner_id}", "--learner-id")
+
+
+def _capability(cfg: NodeConfig, tokens_per_s: float, addrs: list[str]) -> Any:
     from echorl.protocol.messages import Capability
 
     import torch
 
-    device = "cpu"
-    memory = 0
-    if args.device == "cuda" and torch.cuda.is_available():
-        device = torch.cuda.get_device_name(0)
-        memory = int(torch.cuda.get_device_properties(0).total_memory)
+    if cfg.device.startswith("cuda"):
+        device = torch.cuda.get_device_name(torch.device(cfg.device))
+        memory = int(torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory)
     else:
+        device = "cpu"
         memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    return Capability(engine="torch", device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
-                      price_per_hour=float(args.price_per_hour), reachable=True, listen_addrs=addrs[:16])
+    return Capability(engine=cfg.engine, device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
+                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16])
 
 
-def _load_backend(args: argparse.Namespace) -> tuple[Any, float]:
+def _load_backend(cfg: NodeConfig) -> tuple[Any, float]:
+    """The inference backend (``InferenceBackend``: version, load_state_dict, generate) and its
+    measured tokens/s. vLLM is imported only when chosen; that path is untested here (no GPU)."""
     import torch
 
-    from echorl.actor.backend import TorchBackend
+    from echorl.actor.backend import measure_tokens_per_second
     from echorl.actor.model import build_default_model
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    path = args.model or str(build_default_model(seed=args.seed))
-    device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
-    backend = TorchBackend.from_pretrained(path, device=device)
-    return backend, backend.measure_tokens_per_second()
+    path = cfg.model or str(build_default_model(seed=cfg.seed))
+    if cfg.engine == "vllm":
+        from echorl.actor.vllm_backend import VLLMBackend
+
+        backend: Any = VLLMBackend(path, gpu_memory_utilization=cfg.vllm_gpu_memory, dtype=cfg.dtype, seed=cfg.seed)
+    else:
+        from echorl.actor.backend import TorchBackend
+
+        backend = TorchBackend.from_pretrained(path, device=cfg.device, dtype=cfg.dtype)
+    return backend, measure_tokens_per_second(backend)
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(cfg: NodeConfig) -> None:
     from echorl.protocol.identity import load_or_create_identity
 
     from echorl.net.host import HostConfig, open_host
@@ -150,27 +162,28 @@ async def main(args: argparse.Namespace) -> None:
     from echorl.node.versions import NodeWeights
     from echorl.net.transport import UploadLimiter
 
-    identity = load_or_create_identity(args.key)
-    state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
-    backend, tps = await trio.to_thread.run_sync(_load_backend, args)
-    log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
+    identity = load_or_create_identity(cfg.key)
+    state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else default_state_dir(cfg.key, cfg.run_id)
+    backend, tps = await trio.to_thread.run_sync(_load_backend, cfg)
+    log.info("node %s: %.0f tokens/s on %s (%s)", identity.peer_id[:16], tps, cfg.device, cfg.dtype)
     import secrets
 
-    state = NodeState(run_id=args.run_id, instance=secrets.token_bytes(16), last_contact=time.monotonic())
+    state = NodeState(run_id=cfg.run_id, allow_env=tuple(cfg.allow_env), instance=secrets.token_bytes(16),
+                      last_contact=time.monotonic())
     fatal: NodeExit | None = None  # raised once every nursery is closed (no exception group)
-    async with open_host(identity, HostConfig(listen=args.listen, announce=tuple(args.announce))) as host:
-        cap = _capability(args, backend, tps, host.addrs)
-        state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps),
-                                    keeper=SnapshotKeeper(state_dir, args.run_id))
+    async with open_host(identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
+        cap = _capability(cfg, tps, host.addrs)
+        state.weights = NodeWeights(host, cfg.run_id, backend, UploadLimiter.from_mbps(cfg.upload_mbps),
+                                    keeper=SnapshotKeeper(state_dir, cfg.run_id))
         async with trio.open_nursery() as nursery:
-            args._membership = Membership(host, args.run_id, server=True)
-            await nursery.start(args._membership.run)
+            state.membership = Membership(host, cfg.run_id, server=True)
+            await nursery.start(state.membership.run)
             stop = trio.Event()
             nursery.start_soon(_wait_signal, stop)
             with trio.CancelScope() as work:
                 nursery.start_soon(_cancel_when, stop, work)
                 try:
-                    await _work_forever(host, args, state, cap, nursery)
+                    await _work_forever(host, cfg, state, cap, nursery)
                 except NodeExit as exc:
                     fatal = exc
             await _return_lease(host, state)
@@ -216,7 +229,7 @@ async def _return_lease(host: Any, state: NodeState) -> None:
         log.warning("could not return lease %s: %s", state.current_lease, exc)
 
 
-async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, cap: Any,
+async def _work_forever(host: Any, cfg: NodeConfig, state: NodeState, cap: Any,
                         nursery: trio.Nursery) -> None:
     from echorl.protocol.errors import ErrorCode, ProtocolError
 
@@ -226,12 +239,12 @@ async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, c
     while True:
         started = time.monotonic()
         try:
-            await _session(host, args, state, cap, nursery)
+            await _session(host, cfg, state, cap, nursery)
         except RunOver:
             return
         except ProtocolError as exc:  # an Error reply (RemoteError) or a RunEnded that fails verification
             if exc.code == ErrorCode.IDENTITY_IN_USE:
-                raise NodeExit(2, f"the learner refused this node: {exc.detail} (key {args.key})") from None
+                raise NodeExit(2, f"the learner refused this node: {exc.detail} (key {cfg.key})") from None
             log.warning("learner refused (%s); retrying in %.1f s", exc, backoff)
         except (PeerUnavailable, trio.TooSlowError) as exc:
             log.warning("learner unreachable: %s; retrying in %.1f s", exc, backoff)
@@ -239,18 +252,14 @@ async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, c
             backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
         state.current_lease = ""
         silent = time.monotonic() - state.last_contact
-        if args.give_up_after > 0 and silent + backoff > args.give_up_after:
+        if cfg.give_up_after > 0 and silent + backoff > cfg.give_up_after:
             raise NodeExit(1, f"gave up: no answer from the learner for {silent:.0f} s (--give-up-after "
-                              f"{args.give_up_after:g}); is the run still going at {args.bootstrap}?")
+                              f"{cfg.give_up_after:g}); is the run still going at {cfg.bootstrap}?")
         await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
         backoff = min(backoff * 2, 15.0)
 
 
-class RunOver(Exception):
-    """The learner said the run is over (``state.ended`` holds its signed ``RunEnded``)."""
-
-
-async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: Any, nursery: trio.Nursery) -> None:
+async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nursery: trio.Nursery) -> None:
     """Connect, join, get weights, then loop lease → generate → submit until an error ends the
     session."""
     import secrets
@@ -262,8 +271,8 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
     from echorl.net.membership import find_learner
 
     weights = state.weights
-    state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None),
-                                       pinned=getattr(args, "learner_id", None))
+    state.learner = await find_learner(host, cfg.bootstrap, state.run_id, state.membership,
+                                       pinned=cfg.learner_id or None)
     await weights.attach(state.learner, nursery)
     join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=weights.version,
                                  timestamp=time.time(), nonce=secrets.token_bytes(16), instance=state.instance),
@@ -276,12 +285,12 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
              accepted.staleness_bound, weights.version)
     if weights.version > accepted.version:  # the learner resumed from an older checkpoint
         weights.forget(state.learner)
-    if getattr(args, "_membership", None) is not None:
-        await args._membership.provide()
+    if state.membership is not None:
+        await state.membership.provide()
     await weights.ensure(0)
     idle = 0.05
     while True:
-        lease, wait = await _request_lease(host, args, state)
+        lease, wait = await _request_lease(host, cfg, state)
         if lease is None:
             if wait > 0:
                 await trio.sleep(max(wait, idle))
@@ -289,12 +298,19 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
             continue
         idle = 0.05
         state.current_lease = lease.lease_id
-        await _generate_and_submit(host, state, lease)
+        try:
+            await _generate_and_submit(host, state, lease)
+        except EnvironmentRefused as exc:  # cannot run this run's episodes: give the work back
+            log.error("%s; returning the lease", exc)
+            await _return_lease(host, state)
+            state.current_lease = ""
+            await trio.sleep(10.0)
+            continue
         state.current_lease = ""
         state.leases_done += 1
 
 
-async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) -> tuple[Any, float]:
+async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[Any, float]:
     """(lease, 0) or (None, seconds to wait): a deferral for old or unknown weights updates them
     first and asks again at once (or shortly, if nothing newer is to be had yet)."""
     from echorl.protocol import wire
@@ -305,7 +321,7 @@ async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) 
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
                                LeaseRequest(run_id=state.run_id, version=weights.version,
-                                            max_prompts=args.max_prompts), expect=(Lease, LeaseDeferred, RunEnded))
+                                            max_prompts=cfg.max_prompts), expect=(Lease, LeaseDeferred, RunEnded))
     state.last_contact = time.monotonic()
     if isinstance(reply, RunEnded):
         await trio.to_thread.run_sync(wire.verify, reply, state.learner)  # only the pinned learner ends our run
@@ -336,6 +352,29 @@ def _log_observed(host: Any) -> None:
                  " (not one of our addresses: behind NAT, so a broadcast leaf)" if behind else "")
 
 
+class EnvironmentRefused(Exception):
+    """A lease names an environment this node does not run (not built in, not ``--allow-env``)
+    or cannot build with the given options."""
+
+
+def _environment(state: NodeState, spec: Any) -> Any:
+    """The episodic task of a lease's ``EpisodeSpec`` (built once per spec and options)."""
+    from echorl.tasks import BUILTIN, TaskError, is_episodic, load_task
+
+    key = repr((spec.env, sorted(spec.options.items())))
+    if key not in state.envs:
+        if spec.env not in BUILTIN and spec.env not in state.allow_env:
+            raise EnvironmentRefused(f"environment {spec.env!r} is neither built in nor allowed (--allow-env)")
+        try:
+            task = load_task(spec.env, **{**spec.options, "max_turns": spec.max_turns})
+        except TaskError as exc:
+            raise EnvironmentRefused(f"environment {spec.env!r}: {exc}") from None
+        if not is_episodic(task):
+            raise EnvironmentRefused(f"{spec.env!r} is not an environment")
+        state.envs[key] = task
+    return state.envs[key]
+
+
 async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     import secrets
 
@@ -348,13 +387,22 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))
     t0 = time.perf_counter()
-    version, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
+    episode = lease.prompts[0].episode
+    if episode is None:
+        version, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
+    else:
+        from echorl.actor.episodes import run_episodes
+
+        task = _environment(state, episode)
+        seeds = [p.episode.seed if p.episode is not None else episode.seed for p in lease.prompts]
+        version, (_, groups) = await state.weights.run(run_episodes, state.weights.backend, task, seeds,
+                                                       lease.group_size, params, episode.max_tokens)
     seconds = time.perf_counter() - t0
     wire_groups = [
         RolloutGroup(prompt_id=p.prompt_id, samples=[
             Sample(token_ids=list(s.token_ids), logprobs=[min(0.0, float(x)) for x in s.logprobs],
                    finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "eos") else "stop",
-                   reward_hint=0.0) for s in g])
+                   reward_hint=float(s.reward or 0.0), model_mask=s.mask) for s in g])
         for p, g in zip(lease.prompts, groups)
     ]
     submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,
