@@ -3,8 +3,8 @@
 Checks, in order (a failed address or dial ends the network checks): the bootstrap address
 parses; the learner answers a dial (with the cause if not) and a ping (RTT); it serves the run;
 how it sees us (identify's observed address: an address that is not ours means NAT, so this
-node will be a broadcast leaf, which works); download throughput from the learner's weight
-store (the newest manifest and as many verified chunks as fit in a few seconds); our clock is
+node will be a broadcast leaf, which works); download throughput from the learner (the newest
+full snapshot's manifest by catch-up, and as many verified chunks as fit in a few seconds); our clock is
 not behind the learner's (the manifest must not come from the future, a one-sided check: joins
 outside ±MAX_CLOCK_SKEW_S are refused); the key file's mode; free disk for weights; the torch
 device. ``--json`` prints one object. Exit 0 if nothing failed, 1 otherwise, 2 for a bad address.
@@ -89,9 +89,9 @@ async def _network_checks(args: argparse.Namespace) -> list[Row]:
 
 
 async def _run_row(host: Any, learner: str, run_id: str) -> Row:
+    from echorl.protocol import routes
     from echorl.protocol.messages import Status, StatusRequest
 
-    from echorl.net import routes
     from echorl.net.host import PeerUnavailable, RemoteError
 
     try:
@@ -121,16 +121,19 @@ async def _nat_row(host: Any) -> Row:
 
 
 async def _download_rows(host: Any, learner: str, run_id: str, seconds: float) -> list[Row]:
-    from echorl.protocol.messages import Chunk, ChunkRequest, Manifest, ManifestRequest
+    from echorl.protocol import routes
+    from echorl.protocol.messages import CatchUp, CatchUpRequest, Chunk, ChunkRequest
 
-    from echorl.net import routes
     from echorl.net.host import PeerUnavailable, RemoteError
 
     try:
-        manifest = await host.request(learner, routes.MANIFEST, ManifestRequest(run_id=run_id, version=-1),
-                                      expect=Manifest, timeout=15.0)
+        reply = await host.request(learner, routes.CATCHUP, CatchUpRequest(run_id=run_id, have_version=-1),
+                                   expect=CatchUp, timeout=15.0)
     except (PeerUnavailable, RemoteError) as exc:
         return [Row("download", "fail", f"no manifest: {exc}")]
+    if not reply.manifests:
+        return [Row("download", "warn", "the learner has published nothing yet")]
+    manifest = reply.manifests[0]  # the newest full snapshot: what a new node downloads first
     got, t0 = 0, time.perf_counter()
     with trio.move_on_after(seconds):
         for ref in manifest.chunks:
@@ -149,7 +152,7 @@ async def _download_rows(host: Any, learner: str, run_id: str, seconds: float) -
                 f"{manifest.payload_bytes / 1e6:.1f} MB takes ~{per_version:.0f} s directly")]
     from echorl.protocol.limits import MAX_CLOCK_SKEW_S
 
-    skew = manifest.created_at - time.time()
+    skew = max(m.created_at for m in reply.manifests) - time.time()
     rows.append(Row("clock", "fail" if skew > MAX_CLOCK_SKEW_S else "pass",
                     f"this clock is {skew:.0f} s behind the learner's (joins would be refused)" if skew > MAX_CLOCK_SKEW_S
                     else "not behind the learner's (its newest manifest is not from our future)"))

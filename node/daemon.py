@@ -129,7 +129,8 @@ def _capability(cfg: NodeConfig, tokens_per_s: float, addrs: list[str]) -> Any:
         device = "cpu"
         memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return Capability(engine=cfg.engine, device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
-                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16])
+                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16],
+                      dtype=cfg.dtype)
 
 
 def _load_backend(cfg: NodeConfig) -> tuple[Any, float]:
@@ -216,7 +217,7 @@ async def _cancel_when(stop: trio.Event, scope: trio.CancelScope) -> None:
 async def _return_lease(host: Any, state: NodeState) -> None:
     from echorl.protocol.messages import LeaseReturn
 
-    from echorl.net import routes
+    from echorl.protocol import routes
     from echorl.net.host import PeerUnavailable, RemoteError
 
     if not state.current_lease or not state.learner:
@@ -267,7 +268,7 @@ async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nurse
     from echorl.protocol import wire
     from echorl.protocol.messages import JoinAccepted, JoinRequest
 
-    from echorl.net import routes
+    from echorl.protocol import routes
     from echorl.net.membership import find_learner
 
     weights = state.weights
@@ -316,7 +317,7 @@ async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[
     from echorl.protocol import wire
     from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, RunEnded
 
-    from echorl.net import routes
+    from echorl.protocol import routes
 
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
@@ -382,7 +383,7 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     from echorl.protocol import wire
     from echorl.protocol.messages import RolloutGroup, Sample, Submit, SubmitAccepted
 
-    from echorl.net import routes
+    from echorl.protocol import routes
 
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))

@@ -58,8 +58,11 @@ class Message(WireModel):
 
 
 # --- membership --------------------------------------------------------------------------------
-class Capability(WireModel):
-    """What a node offers: the learner schedules and prices by it."""
+class Capability(OptionalFieldsModel):
+    """What a node offers: the learner schedules and prices by it (and sets the spot-check
+    tolerance by its engine and dtype)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("dtype",)
 
     engine: Name  # "torch", "vllm"
     device: Name  # "cpu", "cuda:0", "NVIDIA RTX 4090"
@@ -68,6 +71,7 @@ class Capability(WireModel):
     price_per_hour: NonNegFinite  # what the volunteer asks, in the run's currency unit
     reachable: bool  # can others dial it (interior of broadcast trees)?
     listen_addrs: Annotated[list[Text], Field(max_length=16)]
+    dtype: Name | None = None  # weights' dtype ("float32", "bfloat16", "float16"); None: float32
 
 
 class JoinRequest(Message):
@@ -265,12 +269,6 @@ class Manifest(Message):
     signature: Signature = b"\0" * 64
 
 
-class ManifestRequest(Message):
-    type: Literal["manifest_request"] = "manifest_request"
-    run_id: RunId
-    version: Version  # -1: the newest
-
-
 class ChunkRequest(Message):
     type: Literal["chunk_request"] = "chunk_request"
     digest: Digest
@@ -282,16 +280,6 @@ class Chunk(Message):
     data: Annotated[bytes, Field(min_length=1, max_length=limits.MAX_CHUNK_BYTES)]
 
 
-class Announce(Message):
-    """Gossip: a new version exists (small; receivers pull the manifest)."""
-
-    type: Literal["announce"] = "announce"
-    run_id: RunId
-    version: Version
-    manifest_digest: Digest
-
-
-# --- status and errors -------------------------------------------------------------------------
 class StatusRequest(Message):
     type: Literal["status_request"] = "status_request"
 
@@ -414,7 +402,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted,
-        Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
+        Manifest, ChunkRequest, Chunk, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
         LearnerRecord, RunEnded,
     )
