@@ -102,6 +102,8 @@ class PeerFields(Section):
     """public address to advertise before the interface ones, e.g. /ip4/203.0.113.7/tcp/4001 when
     peers reach this machine through NAT or a forwarded port (repeatable)"""
     upload_mbps: UploadMbps = 0.0
+    metrics_port: str = Field("", pattern=r"^(\S{1,253}:)?\d{1,5}$|^$")
+    """serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (names in docs/metrics.md)"""
 
 
 # --- the command line ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import trio
 
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import short_id
 from echorl.protocol.messages import JoinRequest, RunEnded
 
 log = logging.getLogger("echorl.learner.membership")
@@ -49,14 +50,15 @@ class Members:
         self.run_end = RunEnd(identity, run_id)
 
     async def admit(self, msg: JoinRequest, peer_id: str, peers: dict[str, Any], host: Any, policy: Any) -> Any:
-        """The joiner's capability as the learner will use it: ``identity_in_use`` for a second
-        live process; ``reachable`` only if a dial-back to its advertised addresses works."""
+        """The joiner's capability as the learner will use it (logged as the join): ``identity_in_use``
+        for a second live process; ``reachable`` only if a dial-back to its advertised addresses works."""
         check_identity(peers, self.instances, msg, peer_id, 2 * (policy.liveness_after_s + policy.ping_timeout_s))
         cap = msg.capability
         remote = host.remote_ip(peer_id) if host is not None else None
         if cap.reachable and not await dial_back(list(cap.listen_addrs), remote):
             cap = cap.model_copy(update={"reachable": False})
-        log.info("%s is %s", peer_id[:16], "reachable" if cap.reachable else "not reachable: a broadcast leaf")
+        log.info("joined: %s (%s, %.0f tok/s, %s)", short_id(peer_id), cap.device, cap.tokens_per_s,
+                 "reachable" if cap.reachable else "not reachable: a broadcast leaf")
         return cap
 
     def lease_or_end(self, handler: Any, peers: dict[str, Any]) -> Any:

@@ -27,6 +27,8 @@ class NodeConfig(ModelFields, PeerFields):
     """exit (status 1) after this many seconds without an answer from the learner (0: never)"""
     max_prompts: int = Field(8, ge=1, le=limits.MAX_PROMPTS_PER_LEASE)
     """most prompts asked for per lease"""
+    receipts: str = ""
+    """file the learner's signed receipts are appended to (default: receipts.jsonl in the state dir)"""
     state_dir: str = ""
     """where the newest verified weights are kept, so a restart does not re-download them
     (default: state-<key name>-<run id> next to the --key file)"""
