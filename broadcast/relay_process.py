@@ -57,6 +57,8 @@ async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> N
                 await host.connect(args.learner)
                 # late joiner: from peers first; the learner only if none answers
                 await relay.catch_up(sources)
+            if args.dial_learner and not args.catch_up:  # as a node joining does: behind NAT, the only way in
+                await host.connect(args.learner)
             _emit({"event": "ready", "peer_id": host.peer_id, "addrs": host.addrs, "version": relay.version})
             # exit when the parent closes our stdin
             await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None, relay_class: type[Relay] = Relay) -> Non
     ap.add_argument("--catch-up", action="store_true")
     ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only")
     ap.add_argument("--source", action="append", default=[], help="peer multiaddr to catch up from")
+    ap.add_argument("--dial-learner", action="store_true",
+                    help="connect to the learner before reporting ready (a peer behind NAT cannot be dialed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     profile = os.environ.get("ECHORL_RELAY_PROFILE")  # a directory: one cProfile dump per process

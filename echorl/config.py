@@ -96,7 +96,11 @@ class PeerFields(Section):
     run_id: str = Field("echorl-demo", min_length=1, max_length=128)
     """identity of the run (a node joins only this run; a learner keeps it across --resume)"""
     listen: str = "/ip4/127.0.0.1/tcp/0"
-    """multiaddr to listen on"""
+    """multiaddr to listen on (/ip4/0.0.0.0/tcp/PORT for peers on other machines: the interface
+    addresses are advertised, never 0.0.0.0)"""
+    announce: Annotated[list[str], Flag("--announce", metavar="ADDR")] = []
+    """public address to advertise before the interface ones, e.g. /ip4/203.0.113.7/tcp/4001 when
+    peers reach this machine through NAT or a forwarded port (repeatable)"""
     upload_mbps: UploadMbps = 0.0
     metrics_port: str = Field("", pattern=r"^(\S{1,253}:)?\d{1,5}$|^$")
     """serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (names in docs/metrics.md)"""

@@ -27,7 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from echorl.net.addrs import AddressError, parse_peer_addr
+
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        args.bootstrap = parse_peer_addr(args.bootstrap)
+    except AddressError as exc:
+        print(f"echorl status: {exc}", file=sys.stderr)
+        return 2
     try:
         return trio.run(_main, args)
     except KeyboardInterrupt:
@@ -70,7 +77,7 @@ async def _main(args: argparse.Namespace) -> int:
                         break
                     await trio.sleep(args.interval)
             except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
-                print(f"echorl status: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(f"echorl status: {exc}", file=sys.stderr)
                 return 1
             finally:
                 nursery.cancel_scope.cancel()

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             raise config.ConfigError(problem)
         _check_task_and_model(cfg)  # TaskError is a ValueError
         device = cfg.pin_device()
-    except ValueError as exc:
+        _check_addresses(cfg)
+    except ValueError as exc:  # AddressError is a ValueError too
         config.fail("learner", exc)
         return 2
     log.info("learner device: %s", device)
@@ -77,6 +78,18 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _check_addresses(cfg: LearnerConfig) -> None:
+    """The listen and announce addresses, checked before training starts; a fixed port that
+    another program (or learner) holds is refused here rather than failing inside libp2p."""
+    from echorl.net.addrs import AddressError, parse_announce, parse_listen, port_taken
+
+    cfg.listen = parse_listen(cfg.listen)
+    cfg.announce = [parse_announce(a) for a in cfg.announce]
+    taken = port_taken(cfg.listen)
+    if taken:
+        raise AddressError(taken)
 
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -99,7 +112,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
     provisioning = Provisioning(loop)
     try:
-        async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+        async with open_host(identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
             bc = _broadcaster(cfg, host, identity, limiter)
             # every version a rollout may still claim (t − b ≤ S) is rebuildable from the broadcaster
             spot = await _spot_checker(cfg, loop, bc.version_bytes) if cfg.spot_check_fraction > 0 else None
@@ -119,8 +132,11 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                 nursery.start_soon(redial, host, service.remembered_addrs)  # nodes that knew our old address
                 nursery.start_soon(_stop_on_signal, loop, service, nursery.cancel_scope)
                 await loop.run(NetworkSource(service, publisher, provisioning))
-                if not loop.stopping:  # the final version reaches the nodes
+                if not loop.stopping:  # the final version reaches the nodes, then they are told it is over
                     await publisher.drain(cfg.broadcast_timeout_s)
+                    v = loop.version
+                    await service.members.run_end.announce(v, v, lambda: [p.peer_id for p in service.active_peers(10.0)],
+                                                   grace_s=min(30.0, cfg.lease_timeout_s))
                 if cfg.checkpoint_dir:
                     await loop.checkpoint()
                 log.info("done at v%d: eval_reward %s -> %s", loop.version, loop.first_eval, loop.last_eval)
@@ -194,15 +210,19 @@ async def _start_publishing(cfg: LearnerConfig, bc: Any, loop: Any, provisioning
 
 
 async def _announce(cfg: LearnerConfig, host: Any, nursery: trio.Nursery, task_status: Any) -> Any:
-    """DHT server + signed learner record; print and write the bootstrap address."""
+    """DHT server + signed learner record; print and write the bootstrap address (the first
+    advertised one: ``--announce``, else a real interface address, never a wildcard)."""
     from echorl.net.membership import Membership
 
-    addr = host.addrs[0]
+    addrs = host.addrs
+    addr = addrs[0]
     membership = Membership(host, cfg.run_id, server=True)
     if cfg.dht:
         await nursery.start(membership.run)
-        await membership.publish_learner_record(addr)
+        await membership.publish_learner_record(addrs)
     print(f"learner bootstrap: {addr}", flush=True)
+    for other in addrs[1:]:
+        print(f"learner also at: {other}", flush=True)
     if cfg.addr_file:
         tmp = Path(cfg.addr_file + ".tmp")
         tmp.write_text(addr + "\n")

@@ -57,7 +57,7 @@ from echorl.tasks.env import is_episodic
 from echorl.protocol import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
-from echorl.learner.leases import LeaseBook, LeaseRecord
+from echorl.learner.membership import Members
 from echorl.learner.ledger import Ledger
 from echorl.learner.leases import LeaseBook, LeasePolicy, LeaseRecord  # noqa: F401 - LeasePolicy re-exported
 from echorl.learner.resume import decode_service_state, encode_service_state
@@ -107,6 +107,7 @@ class LearnerService:
         self.peers: dict[str, PeerRecord] = {}
         self._version = version
         self.published = published  # newest version handed to the broadcast (and the fetch fallback)
+        self.members = Members(identity, run_id)  # one process per key, dial-back, run end (learner/membership.py)
         self.stopping = False  # no new leases (the learner is checkpointing and exiting)
         self.accepted = trio.Event()
         self.counters: dict[str, int] = {
@@ -167,8 +168,9 @@ class LearnerService:
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
         self.host = host
-        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.on_lease, routes.SUBMIT: self.ledger.counting(self.on_submit),
-                    routes.RETURN: self.on_return, routes.STATUS: self.on_status})
+        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.members.lease_or_end(self.on_lease, self.peers),
+                    routes.SUBMIT: self.ledger.counting(self.on_submit), routes.RETURN: self.on_return,
+                    routes.STATUS: self.on_status})  # joins and the run's end: learner/membership.py
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
         rec = self.peers.get(ctx.peer_id)
@@ -189,16 +191,15 @@ class LearnerService:
         self.book.check_nonce(msg.nonce)
         self.book.settle(f"join:{msg.nonce.hex()}", "join", msg.nonce)
         self.counters["signatures_verified"] += 1
-        now = time.monotonic()
-        old = self.peers.get(ctx.peer_id)
-        rec = PeerRecord(ctx.peer_id, msg.capability, now, now, msg.version)
+        cap = await self.members.admit(msg, ctx.peer_id, self.peers, self.host, self.policy)
+        now, old = time.monotonic(), self.peers.get(ctx.peer_id)
+        rec = PeerRecord(ctx.peer_id, cap, now, now, msg.version)
         if old is not None:  # a re-join keeps the throughput history
             rec.leases_done, rec.groups_accepted = old.leases_done, old.groups_accepted
             rec.generate_seconds, rec.groups_generated = old.generate_seconds, old.groups_generated
         self.peers[ctx.peer_id] = rec
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
-        log.info("joined: %s (%s, %.0f tok/s)", short_id(ctx.peer_id), msg.capability.device, msg.capability.tokens_per_s)
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
 
@@ -407,7 +408,7 @@ class LearnerService:
                           "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
                           "leases": len(self.book.held_by(p.peer_id)), "leases_done": p.leases_done,
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
-                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
+                          "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive, "reachable": c.reachable,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
                           "standby": self.is_standby(p.peer_id), **self.ledger.peer_fields(p.peer_id)})
         return Status(run_id=self.run_id, learner=learner, peers=peers)

@@ -40,6 +40,7 @@ from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Error, Message
 from echorl.protocol.routes import ROUTES
 
+from echorl.net.addrs import advertised_addrs, dial_reason, parse_peer_addr
 from echorl.net.framing import (
     STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
     read_frame, reset_quietly, write_message,
@@ -61,9 +62,19 @@ class PeerUnavailable(Exception):
     """The peer could not be reached, reset the stream, died mid-reply or missed a deadline."""
 
 
+class DialFailed(PeerUnavailable):
+    """A dial failed; ``reason`` says why in words a user can act on (``net/addrs.dial_reason``)."""
+
+    def __init__(self, addr: str, reason: str) -> None:
+        self.addr = addr
+        self.reason = reason
+        super().__init__(f"cannot reach {addr}: {reason}")
+
+
 @dataclass(frozen=True)
 class HostConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
+    announce: tuple[str, ...] = ()  # public addresses advertised before the interface ones
     io_timeout_s: float = 15.0  # one frame once its first byte arrived / one write
     idle_timeout_s: float = 60.0  # a served stream waits this long for its next request
     request_timeout_s: float = 30.0  # default deadline of request(): dial + write + reply
@@ -115,12 +126,28 @@ class Host:
     # --- addresses and dialing ------------------------------------------------------------------
     @property
     def addrs(self) -> list[str]:
-        """Listen multiaddrs including ``/p2p/<peer id>`` (what others bootstrap from)."""
-        out = []
-        for addr in self.libp2p.get_addrs():
-            text = str(addr)
-            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
-        return out
+        """What others dial, each with ``/p2p/<peer id>``: ``announce`` first, then the bound
+        addresses with a wildcard replaced by the interface addresses (``net/addrs.py``)."""
+        bound = [str(a) for a in self.libp2p.get_transport_addrs()]
+        return advertised_addrs(bound, self.config.announce, self.peer_id)
+
+    def remote_ip(self, peer_id: str) -> str | None:
+        """The IP address our connection to ``peer_id`` comes from (None if not connected)."""
+        for conn in self.libp2p.get_network().get_connections(ID.from_base58(peer_id)):
+            get_remote = getattr(getattr(conn, "muxed_conn", None), "get_remote_address", None)
+            remote = get_remote() if callable(get_remote) else None
+            if isinstance(remote, tuple) and len(remote) == 2:
+                return str(remote[0])
+        return None
+
+    def observed_addrs(self) -> list[str]:
+        """Our addresses as connected peers saw them (identify's observed address; empty on
+        loopback). For a node behind NAT this is the NAT's public side, not a listen address."""
+        mgr = getattr(self.libp2p, "_observed_addr_manager", None)
+        try:
+            return [str(a) for a in mgr.addrs(min_observers=1)] if mgr is not None else []
+        except Exception:  # noqa: BLE001 - a private py-libp2p structure: best effort
+            return []
 
     def add_peer_addrs(self, peer_id: str, addrs: list[str]) -> None:
         maddrs = []
@@ -133,22 +160,32 @@ class Host:
             self.libp2p.get_peerstore().add_addrs(ID.from_base58(peer_id), maddrs, 0)
 
     async def connect(self, addr: str, timeout: float | None = None) -> str:
-        """Dial a ``/ip4/…/tcp/…/p2p/<id>`` address; returns the peer ID. Raises PeerUnavailable."""
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"not a /p2p/ multiaddr: {addr!r} ({exc})") from None
+        """Dial a ``/ip4/…/tcp/…/p2p/<id>`` address; returns the peer ID. Raises ``AddressError``
+        (a ValueError) for a malformed address, ``DialFailed`` (a PeerUnavailable) with the cause."""
+        info = info_from_p2p_addr(multiaddr.Multiaddr(parse_peer_addr(addr, "address")))
         cache = getattr(self.libp2p.get_network(), "_negative_peer_cache", None)
         if cache is not None:  # an explicit (re)connect must not be refused for an earlier failure
             cache.evict(str(info.peer_id))
         try:
             with trio.fail_after(timeout or self.config.connect_timeout_s):
                 await self.libp2p.connect(info)
-        except trio.TooSlowError:
-            raise PeerUnavailable(f"connect to {addr} timed out") from None
         except Exception as exc:  # noqa: BLE001 - swarm raises many kinds
-            raise PeerUnavailable(f"connect to {addr}: {type(exc).__name__}: {exc}") from None
+            self._forget_addrs(info.peer_id, info.addrs)
+            raise DialFailed(addr, dial_reason(exc)) from None
         return str(info.peer_id)
+
+    def _forget_addrs(self, peer: ID, failed: list[Any]) -> None:
+        """Drop addresses that just failed from the peerstore: py-libp2p dials every stored
+        address of a peer, and one dead address there fails later dials to its good ones."""
+        store = self.libp2p.get_peerstore()
+        bad = {str(a) for a in failed}
+        try:
+            keep = [a for a in store.addrs(peer) if str(a) not in bad]
+        except Exception:  # noqa: BLE001 - PeerStoreError: nothing stored for this peer
+            return
+        store.clear_addrs(peer)
+        if keep:
+            store.add_addrs(peer, keep, 120)
 
     def is_connected(self, peer_id: str) -> bool:
         return bool(self.libp2p.get_network().get_connections(ID.from_base58(peer_id)))

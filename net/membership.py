@@ -69,9 +69,8 @@ class Membership:
     async def add_bootstrap(self, peer_id: str) -> None:
         await self.dht.add_peer(ID.from_base58(peer_id), skip_server_mode_check=True)
 
-    async def publish_learner_record(self, addr: str, version: int = 0) -> None:
-
-        rec = wire.sign(LearnerRecord(run_id=self.run_id, learner_peer_id=self.host.peer_id, addrs=[addr],
+    async def publish_learner_record(self, addrs: list[str], version: int = 0) -> None:
+        rec = wire.sign(LearnerRecord(run_id=self.run_id, learner_peer_id=self.host.peer_id, addrs=addrs[:16],
                                       version=version, created_at=time.time()), self.host.identity)
         with trio.move_on_after(10):
             await self.dht.put_value(learner_key(self.run_id), wire.encode(rec))

@@ -23,6 +23,8 @@ class NodeConfig(ModelFields, PeerFields):
     this peer are accepted"""
     price_per_hour: float = Field(0.0, ge=0.0, le=1e6)
     """what this node asks per hour (capability record; used for cost-aware scheduling)"""
+    give_up_after: float = Field(300.0, ge=0.0, le=10**7)
+    """exit (status 1) after this many seconds without an answer from the learner (0: never)"""
     max_prompts: int = Field(8, ge=1, le=limits.MAX_PROMPTS_PER_LEASE)
     """most prompts asked for per lease"""
     receipts: str = ""

@@ -4,9 +4,13 @@ weights through the learner's broadcast (a relay that also forwards chunks to it
 forever. A node refused for old weights waits for the broadcast in flight, then catches up from
 peers, then fetches directly from the learner.
 
-Reconnects with exponential backoff (plus jitter) when the learner is unreachable; on SIGTERM or
-SIGINT it returns the lease it holds (so its prompts are re-queued at once), writes its newest
-version to disk and exits 0.
+Addresses are checked before the model loads (a bad one: one line, exit 2). Reconnects with
+exponential backoff (plus jitter, at most 15 s) when the learner is unreachable, saying why
+(refused, timed out, wrong peer id); gives up with exit 1 after ``--give-up-after`` seconds
+without the learner. A learner that refuses the key as already in use (``identity_in_use``) ends
+the node at once (exit 2). When the run is over the learner answers ``RunEnded``: the node logs
+its contribution and exits 0. On SIGTERM or SIGINT it returns the lease it holds (so its prompts
+are re-queued at once), writes its newest version to disk and exits 0.
 
 The newest verified version is kept in ``--state-dir`` (``node/state.py``); a restart with
 the same key starts from it, after verifying it against the pinned learner and the run.
@@ -61,6 +65,9 @@ class NodeState:
     receipts_kept: int = 0
     receipts_invalid: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # error code -> submissions refused
+    instance: bytes = b""  # random per process: the learner refuses a second live process with our key
+    last_contact: float = 0.0  # monotonic time the learner last answered
+    ended: Any = None  # the learner's RunEnded, once the run is over
 
     def row(self) -> dict[str, Any]:
         """The node's metrics, computed here only (sinks just export them)."""
@@ -74,6 +81,18 @@ class NodeState:
         row = self.row()
         for sink in self.sinks:
             sink.write(row)
+
+
+class NodeExit(Exception):
+    """Ends the node with ``code`` and a one-line ``message`` (no traceback)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class RunOver(Exception):
+    """The learner said the run is over (``state.ended`` holds its signed ``RunEnded``)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
         trio.run(main, cfg)
     except KeyboardInterrupt:
         return 130
+    except NodeExit as exc:
+        print(f"echorl node: {exc}", file=sys.stderr)
+        return exc.code
     return 0
 
 
@@ -99,6 +121,7 @@ def _check(cfg: NodeConfig) -> str:
     directory, a missing engine, CUDA asked for where there is none. Returns the device's name."""
     import importlib.util
 
+    _check_addresses(cfg)
     from echorl.metrics_sinks import sink_flags_error
 
     cfg.check_model()
@@ -112,6 +135,17 @@ def _check(cfg: NodeConfig) -> str:
         raise config.ConfigError(f"--engine vllm runs on cuda:0 (choose the GPU with CUDA_VISIBLE_DEVICES), "
                                  f"not {cfg.device}")
     return device
+
+
+def _check_addresses(cfg: NodeConfig) -> None:
+    """Every address the user gave, checked before anything slow happens (AddressError)."""
+    from echorl.net.addrs import parse_announce, parse_listen, parse_peer_addr
+
+    cfg.bootstrap = parse_peer_addr(cfg.bootstrap)
+    cfg.listen = parse_listen(cfg.listen)
+    cfg.announce = [parse_announce(a) for a in cfg.announce]
+    if cfg.learner_id:
+        parse_peer_addr(f"/ip4/127.0.0.1/tcp/1/p2p/{cfg.learner_id}", "--learner-id")
 
 
 def _capability(cfg: NodeConfig, tokens_per_s: float, addrs: list[str]) -> Any:
@@ -166,14 +200,18 @@ async def main(cfg: NodeConfig) -> None:
     state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else default_state_dir(cfg.key, cfg.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, cfg)
     log.info("node %s: %.0f tokens/s on %s (%s)", short_id(identity.peer_id), tps, cfg.device, cfg.dtype)
+    import secrets
+
     state = NodeState(run_id=cfg.run_id, allow_env=tuple(cfg.allow_env),
-                      receipts=ReceiptLog(Path(cfg.receipts).expanduser() if cfg.receipts else state_dir / "receipts.jsonl"))
+                      receipts=ReceiptLog(Path(cfg.receipts).expanduser() if cfg.receipts else state_dir / "receipts.jsonl"),
+                      instance=secrets.token_bytes(16), last_contact=time.monotonic())
+    fatal: NodeExit | None = None  # raised once every nursery is closed (no exception group)
     try:
         state.sinks = open_sinks("node", cfg.metrics_port)
     except OSError as exc:
         raise SystemExit(f"echorl node: --metrics-port {cfg.metrics_port}: {exc}") from None
     log.info("receipts go to %s", state.receipts.path)
-    async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+    async with open_host(identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
         cap = _capability(cfg, tps, host.addrs)
         state.weights = NodeWeights(host, cfg.run_id, backend, UploadLimiter.from_mbps(cfg.upload_mbps),
                                     keeper=SnapshotKeeper(state_dir, cfg.run_id))
@@ -184,7 +222,10 @@ async def main(cfg: NodeConfig) -> None:
             nursery.start_soon(_wait_signal, stop)
             with trio.CancelScope() as work:
                 nursery.start_soon(_cancel_when, stop, work)
-                await _work_forever(host, cfg, state, cap, nursery)
+                try:
+                    await _work_forever(host, cfg, state, cap, nursery)
+                except NodeExit as exc:
+                    fatal = exc
             await _return_lease(host, state)
             with trio.move_on_after(120):
                 await state.weights.flush()  # the newest version on disk before we go
@@ -194,6 +235,12 @@ async def main(cfg: NodeConfig) -> None:
              state.groups_credited, state.receipts.path)
     for sink in state.sinks:
         sink.close()
+    if state.ended is not None:
+        e = state.ended
+        print(f"echorl node: run {e.run_id} is over (final version {e.version}, {e.steps} steps); this node "
+              f"contributed {e.leases_done} leases, {e.groups_accepted} rollout groups accepted", file=sys.stderr)
+    if fatal is not None:
+        raise fatal
 
 
 async def _wait_signal(stop: trio.Event) -> None:
@@ -227,18 +274,30 @@ async def _return_lease(host: Any, state: NodeState) -> None:
 
 async def _work_forever(host: Any, cfg: NodeConfig, state: NodeState, cap: Any,
                         nursery: trio.Nursery) -> None:
-    from echorl.net.host import PeerUnavailable, RemoteError
+    from echorl.protocol.errors import ErrorCode, ProtocolError
+
+    from echorl.net.host import PeerUnavailable
 
     backoff = 0.5
     while True:
         started = time.monotonic()
         try:
             await _session(host, cfg, state, cap, nursery)
-        except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
-            if state.leases_done and time.monotonic() - started > 10.0:
-                backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
-            log.warning("learner unreachable or refused (%s); retrying in %.1f s", exc, backoff)
+        except RunOver:
+            return
+        except ProtocolError as exc:  # an Error reply (RemoteError) or a RunEnded that fails verification
+            if exc.code == ErrorCode.IDENTITY_IN_USE:
+                raise NodeExit(2, f"the learner refused this node: {exc.detail} (key {cfg.key})") from None
+            log.warning("learner refused (%s); retrying in %.1f s", exc, backoff)
+        except (PeerUnavailable, trio.TooSlowError) as exc:
+            log.warning("learner unreachable: %s; retrying in %.1f s", exc, backoff)
+        if state.leases_done and time.monotonic() - started > 10.0:
+            backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
         state.current_lease = ""
+        silent = time.monotonic() - state.last_contact
+        if cfg.give_up_after > 0 and silent + backoff > cfg.give_up_after:
+            raise NodeExit(1, f"gave up: no answer from the learner for {silent:.0f} s (--give-up-after "
+                              f"{cfg.give_up_after:g}); is the run still going at {cfg.bootstrap}?")
         await trio.sleep(backoff * (0.75 + 0.5 * random.random()))
         backoff = min(backoff * 2, 15.0)
 
@@ -259,9 +318,12 @@ async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nurse
                                        pinned=cfg.learner_id or None)
     await weights.attach(state.learner, nursery)
     join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=weights.version,
-                                 timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
+                                 timestamp=time.time(), nonce=secrets.token_bytes(16), instance=state.instance),
+                     host.identity)
     accepted = await host.request(state.learner, routes.JOIN, join, expect=JoinAccepted)
     assert isinstance(accepted, JoinAccepted)
+    state.last_contact = time.monotonic()
+    _log_observed(host)
     log.info("joined run %s at learner version %d (S=%d) holding v%d", state.run_id, accepted.version,
              accepted.staleness_bound, weights.version)
     if weights.version > accepted.version:  # the learner resumed from an older checkpoint
@@ -294,14 +356,20 @@ async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nurse
 async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[Any, float]:
     """(lease, 0) or (None, seconds to wait): a deferral for old or unknown weights updates them
     first and asks again at once (or shortly, if nothing newer is to be had yet)."""
-    from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
+    from echorl.protocol import wire
+    from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, RunEnded
 
     from echorl.protocol import routes
 
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
                                LeaseRequest(run_id=state.run_id, version=weights.version,
-                                            max_prompts=cfg.max_prompts), expect=(Lease, LeaseDeferred))
+                                            max_prompts=cfg.max_prompts), expect=(Lease, LeaseDeferred, RunEnded))
+    state.last_contact = time.monotonic()
+    if isinstance(reply, RunEnded):
+        await trio.to_thread.run_sync(wire.verify, reply, state.learner)  # only the pinned learner ends our run
+        state.ended = reply
+        raise RunOver()
     if isinstance(reply, Lease):
         return reply, 0.0
     assert isinstance(reply, LeaseDeferred)
@@ -314,6 +382,17 @@ async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[
         await weights.ensure(max(reply.want_version, weights.version + 1))
         return None, (0.05 if weights.version == before else 0.0)  # nothing newer anywhere yet
     return None, max(reply.retry_after_s, 0.01)
+
+
+def _log_observed(host: Any) -> None:
+    """Log how the learner sees us (identify's observed address), once it differs from before."""
+    seen = host.observed_addrs()
+    if seen and seen != getattr(host, "_logged_observed", None):
+        host._logged_observed = seen
+        mine = {a.split("/p2p/")[0].rsplit("/tcp/", 1)[0] for a in host.addrs}
+        behind = all(a.rsplit("/tcp/", 1)[0] not in mine for a in seen)
+        log.info("the learner sees this node as %s%s", ", ".join(seen),
+                 " (not one of our addresses: behind NAT, so a broadcast leaf)" if behind else "")
 
 
 class EnvironmentRefused(Exception):

@@ -26,6 +26,7 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "unavailable"  # temporarily cannot serve (e.g. no work); retry later
     INTERNAL = "internal"  # the handler failed; the request may be retried
     LOGPROB_MISMATCH = "logprob_mismatch"  # behaviour log-probs disagree with the claimed version's snapshot
+    IDENTITY_IN_USE = "identity_in_use"  # another live node process already joined with this key
     ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
 
 

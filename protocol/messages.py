@@ -83,6 +83,8 @@ class JoinRequest(Message):
     version: Version  # newest verified policy version the node holds, -1 none
     timestamp: Finite  # unix seconds; refused outside ±MAX_CLOCK_SKEW_S
     nonce: Nonce
+    # random per node process: a second live process with the same key is refused (identity_in_use)
+    instance: Annotated[bytes, Field(max_length=32)] = b""
     signature: Signature = b"\0" * 64
 
 
@@ -138,6 +140,22 @@ class Lease(Message):
     sampling: SamplingSpec
     min_version: Version  # generate with this version or newer
     deadline_s: Annotated[float, Field(gt=0.0, le=86400.0, allow_inf_nan=False)]  # from receipt
+
+
+class RunEnded(Message):
+    """The learner's answer to a lease request once its run is over: the node stops (exit 0)
+    and reports what it contributed. Signed, so only the pinned learner can end a node's run."""
+
+    SIGNED: ClassVar[bool] = True
+    type: Literal["run_ended"] = "run_ended"
+    run_id: RunId
+    learner_peer_id: PeerId
+    version: Version  # the final policy version
+    steps: Count
+    leases_done: Count  # this node's settled leases with results
+    groups_accepted: Count  # this node's rollout groups the learner trained on (or buffered)
+    timestamp: Finite
+    signature: Signature = b"\0" * 64
 
 
 class LeaseDeferred(Message):
@@ -416,6 +434,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted, Receipt,
         Manifest, ChunkRequest, Chunk, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
-        LearnerRecord,
+        LearnerRecord, RunEnded,
     )
 }

@@ -27,7 +27,7 @@ class Route:
 
 # control plane (learner serves)
 JOIN = "/echorl/join/1"  # JoinRequest -> JoinAccepted
-LEASE = "/echorl/lease/1"  # LeaseRequest -> Lease | LeaseDeferred
+LEASE = "/echorl/lease/1"  # LeaseRequest -> Lease | LeaseDeferred | RunEnded (the run is over)
 SUBMIT = "/echorl/submit/1"  # Submit -> SubmitAccepted
 RETURN = "/echorl/return/1"  # LeaseReturn -> LeaseReturn (the lease ids re-queued)
 STATUS = "/echorl/status/1"  # StatusRequest -> Status

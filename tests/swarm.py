@@ -41,9 +41,9 @@ class Swarm:
         self.addr = addr_file.read_text().strip()
         return self.addr
 
-    def start_node(self, name: str, *args: str) -> subprocess.Popen:
+    def start_node(self, name: str, *args: str, log: str = "") -> subprocess.Popen:
         p = echorl("node", "--bootstrap", self.addr, "--key", str(self.tmp / f"{name}.key"), *args,
-                   log=self.tmp / f"{name}.log")
+                   log=self.tmp / (log or f"{name}.log"))
         self.procs.append(p)
         return p
 

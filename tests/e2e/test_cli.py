@@ -84,8 +84,11 @@ def test_unknown_toml_key_is_one_line_and_exit_2(tmp_path, role):
     assert result.returncode == 2 and result.stderr == f"echorl {role}: unknown {role} config keys: ['stepz']\n"
 
 
+PEER = "12D3KooWCa8g8KW57hSe2B8o1K53NCeBWxj2tj9uV9AM7HYQ6feW"  # well formed: the address check passes
+
+
 def _node(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "echorl.cli", "node", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x",
+    return subprocess.run([sys.executable, "-m", "echorl.cli", "node", "--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}",
                            "--key", str(tmp_path / "node.key"), *args],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
 
@@ -105,7 +108,7 @@ def test_node_refuses_bad_input_before_anything_heavy(tmp_path, args, message):
 @pytest.mark.skipif(_cuda(), reason="this machine has CUDA")
 @pytest.mark.parametrize("role", ["learner", "node", "train-local"])
 def test_cuda_asked_without_cuda_is_an_error_not_a_fallback(tmp_path, role):
-    base = ["--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x", "--key", str(tmp_path / "k")] if role == "node" else []
+    base = ["--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", "--key", str(tmp_path / "k")] if role == "node" else []
     result = subprocess.run([sys.executable, "-m", "echorl.cli", role, *base, "--device", "cuda:0"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr

@@ -58,4 +58,6 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
         sign(m.LearnerRecord(run_id="run-1", learner_peer_id=learner.peer_id, addrs=["/ip4/127.0.0.1/tcp/4001"],
                              version=5, created_at=time.time()), learner),
         m.LeaseDeferred(run_id="run-1", reason="weights_too_old", want_version=3, retry_after_s=0.0),
+        sign(m.RunEnded(run_id="run-1", learner_peer_id=learner.peer_id, version=40, steps=40, leases_done=7,
+                        groups_accepted=50, timestamp=time.time()), learner),
     ]

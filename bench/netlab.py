@@ -1,0 +1,217 @@
+"""Across a network lab (tests/netlab.py): every peer in its own namespace, uplinks capped by
+``tc tbf``, some nodes behind an nftables NAT. Needs root, ``ip``, ``tc`` and ``nft``.
+
+    python bench/netlab.py --nodes 8 --nat 4 --uplink-mbps 20 --size-mb 8 --json
+    python bench/netlab.py --train --nodes 6 --nat 3 --steps 200 --json
+
+Broadcast mode: the learner's ``Broadcaster`` runs in the learner namespace (this script
+re-executed there), the nodes are ``broadcast/relay_process.py`` peers in theirs (NAT'd ones
+reported unreachable: leaves); a first version dials every edge, the second is timed. Prints
+tree_seconds, lower_bound_seconds (W/B: one copy at the learner's uplink), topology_bound_seconds
+(with R reachable nodes of N, at least (N−1)·W/(R·B): leaves forward nothing), nodes_received,
+nat_nodes_received and learner_upload_copies (bytes leaving the learner's interface during the
+timed version, TCP/Noise overhead included, / W). Targets: all receive, tree ≤ 1.3 × bound,
+copies ≤ 1.25.
+
+Train mode: ``echorl learner`` and ``echorl node`` processes; prints eval_reward_start,
+eval_reward_end (the learner's held-out evaluation), nodes_contributing and
+nat_nodes_contributing (nodes whose RunEnded summary counts accepted rollout groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _report import emit  # noqa: E402
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+# --- the learner side, run inside the learner namespace ---------------------------------------
+def broadcaster_main(args: argparse.Namespace) -> None:
+    """Serve a Broadcaster; read the nodes (one JSON list on stdin); publish two versions;
+    print one JSON result line."""
+    import trio
+
+    from broadcast import fake_safetensors  # bench/broadcast.py (bench/ is first on sys.path)
+    from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
+    from echorl.net.host import HostConfig, open_host
+    from echorl.protocol.identity import Identity
+
+    def tx_bytes() -> int:
+        return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
+
+    async def main() -> None:
+        identity = Identity.generate()
+        size = int(args.size_mb * 1024 * 1024)
+        async with open_host(identity, HostConfig(listen="/ip4/0.0.0.0/tcp/4001")) as host:
+            bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=int(args.chunk_kb * 1024),
+                             full_every=1, done_timeout_s=args.timeout)
+            bc.install()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(bc.run)
+                print(json.dumps({"event": "ready", "addr": host.addrs[0]}), flush=True)
+                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                nodes = [NodeInfo(n["peer_id"], n["reachable"], tuple(n["addrs"])) for n in json.loads(line)]
+                await bc.publish(1, fake_safetensors(size, 3), nodes)  # dials every edge
+                await trio.sleep(0.5)
+                data = fake_safetensors(size, 1)
+                before = tx_bytes()
+                tree = await bc.publish(2, data, nodes)
+                sent = tx_bytes() - before
+                print(json.dumps({"event": "result", "tree_seconds": tree.seconds, "bytes": len(data),
+                                  "completed": tree.completed, "missing": tree.missing, "depth": tree.depth,
+                                  "learner_tx_bytes": sent}), flush=True)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+# --- the parent side, in the root namespace ---------------------------------------------------
+def _json_line(proc: subprocess.Popen, event: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:  # type: ignore[union-attr]
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if obj.get("event") == event:
+            return obj
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError(f"no {event!r} line from {proc.args}")
+
+
+def run_broadcast(lab, args: argparse.Namespace) -> dict:
+    learner = lab.add_peer("learner")
+    peers = [lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}")
+             for i in range(args.nodes)]
+    me = [sys.executable, str(Path(__file__).resolve()), "--_broadcaster", "--size-mb", str(args.size_mb),
+          "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout)]
+    bc = subprocess.Popen(learner.cmd(*me), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    learner.procs.append(bc)
+    addr = _json_line(bc, "ready", 120)["addr"]
+    relays = []
+    for p in peers:
+        proc = subprocess.Popen(p.cmd(sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", addr,
+                                      "--run-id", "bench", "--listen", "/ip4/0.0.0.0/tcp/0",
+                                      "--stall-s", "30", "--dial-learner"),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, env=ENV)
+        p.procs.append(proc)
+        relays.append((p, proc))
+    nodes = []
+    for p, proc in relays:
+        ready = _json_line(proc, "ready", 120)
+        nodes.append({"peer_id": ready["peer_id"], "addrs": ready["addrs"], "reachable": not p.nat})
+    bc.stdin.write(json.dumps(nodes) + "\n")  # type: ignore[union-attr]
+    bc.stdin.flush()  # type: ignore[union-attr]
+    res = _json_line(bc, "result", args.timeout * 2 + 60)
+    nat_ids = {n["peer_id"] for n, (p, _) in zip(nodes, relays) if p.nat}
+    rate = args.uplink_mbps * 1e6 / 8
+    bound = res["bytes"] / rate
+    for _, proc in relays:
+        proc.stdin.close()  # type: ignore[union-attr]
+    return {
+        "nodes": args.nodes, "nat_nodes": args.nat, "uplink_mbps": args.uplink_mbps, "bytes": res["bytes"],
+        "fanout": args.fanout, "depth": res["depth"], "tree_seconds": round(res["tree_seconds"], 3),
+        "lower_bound_seconds": round(bound, 3), "tree_over_lower_bound": round(res["tree_seconds"] / bound, 3),
+        # NAT'd nodes cannot be parents: the reachable ones upload the other N−1 copies between them
+        "topology_bound_seconds": round(max(bound, (args.nodes - 1) * bound / max(1, args.nodes - args.nat)), 3),
+        "nodes_received": len(res["completed"]), "nat_nodes_received": len(nat_ids & set(res["completed"])),
+        "learner_upload_copies": round(res["learner_tx_bytes"] / res["bytes"], 3),
+    }
+
+
+def _eval_rewards(metrics: Path) -> list[float]:
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    return [r["eval_reward"] for r in rows if r.get("eval_reward") is not None]
+
+
+def run_train(lab, args: argparse.Namespace, tmp: Path) -> dict:
+    learner = lab.add_peer("learner")
+    peers = [lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}")
+             for i in range(args.nodes)]
+    addr_file, metrics = tmp / "addr", tmp / "m.jsonl"
+    cli = [sys.executable, "-m", "echorl.cli"]
+    lp = lab.spawn(learner, [*cli, "learner", "--listen", "/ip4/0.0.0.0/tcp/4001", "--addr-file", str(addr_file),
+                             "--metrics-out", str(metrics), "--steps", str(args.steps), "--staleness", "4",
+                             "--eval-every", str(max(1, args.steps // 4))], tmp / "learner.log", env=ENV)
+    deadline = time.monotonic() + 180
+    while not addr_file.exists():
+        if lp.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("learner did not start:\n" + (tmp / "learner.log").read_text()[-3000:])
+        time.sleep(0.2)
+    addr = addr_file.read_text().strip()
+    procs = [lab.spawn(p, [*cli, "node", "--bootstrap", addr, "--key", str(tmp / f"{p.name}.key"), "--listen",
+                           "/ip4/0.0.0.0/tcp/0", "--seed", str(i)], tmp / f"{p.name}.log", env=ENV)
+             for i, p in enumerate(peers)]
+    lp.wait(timeout=args.timeout)
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    contributed = {}
+    for p in peers:
+        m = re.search(r"contributed (\d+) leases, (\d+) rollout groups", (tmp / f"{p.name}.log").read_text())
+        contributed[p.name] = bool(m and int(m.group(2)) > 0)
+    rewards = _eval_rewards(metrics)
+    return {
+        "nodes": args.nodes, "nat_nodes": args.nat, "steps": args.steps, "uplink_mbps": args.uplink_mbps,
+        "eval_reward_start": rewards[0] if rewards else None, "eval_reward_end": rewards[-1] if rewards else None,
+        "nodes_contributing": sum(contributed.values()),
+        "nat_nodes_contributing": sum(v for k, v in contributed.items() if k.startswith("nat-")),
+    }
+
+
+def _lab_module() -> tuple:
+    """tests/netlab.py (its name is this script's): loaded under another module name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("echorl_netlab", ROOT / "tests" / "netlab.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["echorl_netlab"] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.Lab, module.unavailable
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--nat", type=int, default=4, help="how many of the nodes are behind the NAT")
+    ap.add_argument("--uplink-mbps", type=float, default=20.0, help="tbf cap of every peer's uplink")
+    ap.add_argument("--size-mb", type=float, default=8.0)
+    ap.add_argument("--fanout", type=int, default=4)
+    ap.add_argument("--chunk-kb", type=float, default=256.0)
+    ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--_broadcaster", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._broadcaster:
+        broadcaster_main(args)
+        return
+    Lab, unavailable = _lab_module()
+    why = unavailable()
+    if why:
+        sys.exit(f"bench/netlab.py: network lab unavailable: {why}")
+    with Lab(uplink_mbps=args.uplink_mbps) as lab, tempfile.TemporaryDirectory(prefix="netlab-") as tmp:
+        out = run_train(lab, args, Path(tmp)) if args.train else run_broadcast(lab, args)
+    emit(out, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""``echorl doctor``: can this machine be a node of that run? One row per check, pass/warn/fail.
+
+Checks, in order (a failed address or dial ends the network checks): the bootstrap address
+parses; the learner answers a dial (with the cause if not) and a ping (RTT); it serves the run;
+how it sees us (identify's observed address: an address that is not ours means NAT, so this
+node will be a broadcast leaf, which works); download throughput from the learner (the newest
+full snapshot's manifest by catch-up, and as many verified chunks as fit in a few seconds); our clock is
+not behind the learner's (the manifest must not come from the future, a one-sided check: joins
+outside ±MAX_CLOCK_SKEW_S are refused); the key file's mode; free disk for weights; the torch
+device. ``--json`` prints one object. Exit 0 if nothing failed, 1 otherwise, 2 for a bad address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # "pass" | "warn" | "fail"
+    detail: str
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", required=True, help="the learner's multiaddr (/ip4/…/tcp/…/p2p/<id>)")
+    p.add_argument("--run-id", dest="run_id", default="echorl-demo", help="the run to check")
+    p.add_argument("--key", default=os.path.expanduser("~/.config/echorl/node.key"), help="the node's key file")
+    p.add_argument("--download-seconds", dest="download_seconds", type=float, default=4.0,
+                   help="how long to measure download throughput")
+    p.add_argument("--json", action="store_true", help="print one machine-readable object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from echorl.net.addrs import AddressError, parse_peer_addr
+
+    try:
+        args.bootstrap = parse_peer_addr(args.bootstrap)
+    except AddressError as exc:
+        print(f"echorl doctor: {exc}", file=sys.stderr)
+        return 2
+    rows = trio.run(_network_checks, args) + _local_checks(args)
+    ok = all(r.status != "fail" for r in rows)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [asdict(r) for r in rows]}))
+    else:
+        width = max(len(r.check) for r in rows)
+        for r in rows:
+            print(f"{r.status.upper():4}  {r.check:<{width}}  {r.detail}")
+    return 0 if ok else 1
+
+
+async def _network_checks(args: argparse.Namespace) -> list[Row]:
+    from echorl.protocol.identity import Identity
+
+    from echorl.net.host import HostConfig, PeerUnavailable, open_host
+
+    rows = [Row("address", "pass", args.bootstrap)]
+    async with open_host(Identity.generate(), HostConfig(listen="/ip4/0.0.0.0/tcp/0")) as host:
+        try:
+            learner = await host.connect(args.bootstrap, timeout=10.0)
+        except PeerUnavailable as exc:
+            rows.append(Row("dial", "fail", getattr(exc, "reason", str(exc))))
+            return rows
+        rtts = []
+        for _ in range(3):
+            try:
+                rtts.append(await host.ping(learner, timeout=5.0))
+            except PeerUnavailable:
+                pass
+        rtt = statistics.median(rtts) * 1000 if rtts else None
+        rows.append(Row("dial", "pass" if rtts else "warn",
+                        f"connected; ping {rtt:.1f} ms" if rtt is not None else "connected; no ping answer"))
+        rows.append(await _run_row(host, learner, args.run_id))
+        rows.append(await _nat_row(host))
+        rows += await _download_rows(host, learner, args.run_id, args.download_seconds)
+    return rows
+
+
+async def _run_row(host: Any, learner: str, run_id: str) -> Row:
+    from echorl.protocol import routes
+    from echorl.protocol.messages import Status, StatusRequest
+
+    from echorl.net.host import PeerUnavailable, RemoteError
+
+    try:
+        status = await host.request(learner, routes.STATUS, StatusRequest(), expect=Status, timeout=10.0)
+    except (PeerUnavailable, RemoteError) as exc:
+        return Row("run", "fail", f"the peer does not answer status: {exc}")
+    if status.run_id != run_id:
+        return Row("run", "fail", f"the learner serves run {status.run_id!r}, not {run_id!r} (--run-id)")
+    return Row("run", "pass", f"run {status.run_id} at version {status.learner.get('version')}, "
+                              f"{len(status.peers)} nodes joined")
+
+
+async def _nat_row(host: Any) -> Row:
+    from echorl.net.addrs import interface_ips
+
+    with trio.move_on_after(3.0):
+        while not host.observed_addrs():
+            await trio.sleep(0.1)
+    seen = host.observed_addrs()
+    if not seen:
+        return Row("reachability", "warn", "the learner did not report how it sees us (same machine?)")
+    ips = {a.split("/")[2] for a in seen}
+    if ips & set(interface_ips(4) + interface_ips(6)):
+        return Row("reachability", "pass", f"seen as {', '.join(seen)}: a public address of this machine")
+    return Row("reachability", "warn", f"seen as {', '.join(seen)}, not an address of this machine: behind NAT, "
+                                       "so a broadcast leaf (works; --announce a forwarded port to relay)")
+
+
+async def _download_rows(host: Any, learner: str, run_id: str, seconds: float) -> list[Row]:
+    from echorl.protocol import routes
+    from echorl.protocol.messages import CatchUp, CatchUpRequest, Chunk, ChunkRequest
+
+    from echorl.net.host import PeerUnavailable, RemoteError
+
+    try:
+        reply = await host.request(learner, routes.CATCHUP, CatchUpRequest(run_id=run_id, have_version=-1),
+                                   expect=CatchUp, timeout=15.0)
+    except (PeerUnavailable, RemoteError) as exc:
+        return [Row("download", "fail", f"no manifest: {exc}")]
+    if not reply.manifests:
+        return [Row("download", "warn", "the learner has published nothing yet")]
+    manifest = reply.manifests[0]  # the newest full snapshot: what a new node downloads first
+    got, t0 = 0, time.perf_counter()
+    with trio.move_on_after(seconds):
+        for ref in manifest.chunks:
+            try:
+                chunk = await host.request(learner, routes.CHUNK, ChunkRequest(digest=ref.digest), expect=Chunk)
+            except (PeerUnavailable, RemoteError) as exc:
+                return [Row("download", "fail", f"chunk refused or lost: {exc}")]
+            if not await trio.to_thread.run_sync(_digest_ok, chunk.data, ref.digest):
+                return [Row("download", "fail", "a chunk did not match its signed digest")]
+            got += len(chunk.data)
+    elapsed = time.perf_counter() - t0
+    mbps = got * 8 / elapsed / 1e6 if elapsed > 0 else 0.0
+    per_version = manifest.payload_bytes * 8 / (mbps * 1e6) if mbps > 0 else float("inf")
+    rows = [Row("download", "pass" if mbps >= 10 else "warn",
+                f"{mbps:.1f} Mbit/s from the learner ({got / 1e6:.1f} MB verified); a full version of "
+                f"{manifest.payload_bytes / 1e6:.1f} MB takes ~{per_version:.0f} s directly")]
+    from echorl.protocol.limits import MAX_CLOCK_SKEW_S
+
+    skew = max(m.created_at for m in reply.manifests) - time.time()
+    rows.append(Row("clock", "fail" if skew > MAX_CLOCK_SKEW_S else "pass",
+                    f"this clock is {skew:.0f} s behind the learner's (joins would be refused)" if skew > MAX_CLOCK_SKEW_S
+                    else "not behind the learner's (its newest manifest is not from our future)"))
+    return rows
+
+
+def _digest_ok(data: bytes, digest: bytes) -> bool:
+    import hashlib
+
+    return hashlib.sha256(data).digest() == digest
+
+
+def _local_checks(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    key = Path(args.key).expanduser()
+    if not key.exists():
+        rows.append(Row("key", "warn", f"{key} does not exist yet: `echorl node` creates it (mode 0600)"))
+    elif key.stat().st_mode & 0o077:
+        rows.append(Row("key", "fail", f"{key} is readable by others (mode {key.stat().st_mode & 0o777:o}): chmod 600"))
+    else:
+        rows.append(Row("key", "pass", f"{key} (mode 600)"))
+    where = key.parent if key.parent.exists() else Path.home()
+    free = shutil.disk_usage(where).free
+    rows.append(Row("disk", "pass" if free >= 2 << 30 else "warn",
+                    f"{free / 2**30:.1f} GiB free under {where} (weights are kept in a state dir there)"))
+    rows.append(_torch_row())
+    return rows
+
+
+def _torch_row() -> Row:
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - a broken install is what this check reports
+        return Row("torch", "fail", f"torch does not import: {exc}")
+    if torch.cuda.is_available():
+        return Row("torch", "pass", f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    return Row("torch", "warn", f"torch {torch.__version__}, CPU only (works, slowly; --device cuda needs a GPU)")
