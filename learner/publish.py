@@ -109,7 +109,7 @@ class Publisher:
         data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
         await self.store.publish_bytes(version, data)
         serialize_s = time.perf_counter() - t0
-        self.service.published = max(self.service.published, version)
+        self.service.note_published(version)
         report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
         rec = BroadcastRecord(version, report.kind, report.seconds, report.build_seconds, serialize_s,
                               report.bytes, report.result_bytes, report.nodes, len(report.completed),

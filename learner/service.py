@@ -5,13 +5,16 @@ run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signa
 not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
 staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
-behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``).
+version published and held (``unpublished_version``) → completions end at EOS/stop
+(``bad_rollout``) → behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3,
+``learner/spot_check.py``; ``unverifiable`` if it cannot run for a flagged peer). Lease limits,
+deadlines, expiry back-off and these checks live in ``learner/admission.py``.
 Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
 recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
 keeps the last S+1 published versions); if that snapshot is gone the check is skipped and
-counted (``spot_checks_skipped``). A mismatch beyond tolerance settles the lease as refused
+counted (``spot_checks_skipped``), except for a flagged peer: refused. A mismatch beyond tolerance settles the lease as refused
 (its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
 peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
 ``ban_after`` mismatches (default 3; 0: never) the peer is banned for the rest of the run: its
@@ -19,14 +22,8 @@ leases are expired (prompts re-queued) and every later lease request is refused 
 ``logprob_mismatch``. Flags and bans are kept by peer ID across re-joins and, through the
 learner's checkpoint (``learner/resume.py``), across a learner restart with ``--resume``.
 
-Cost-aware activation (``policy.activation == "cost"``, DESIGN §7, ``learner/activation.py``): every
-``activation_interval_s`` (in ``maintain``), and at once when an active node is found dead, the
-learner keeps the cheapest set of live nodes (ascending price per unit of measured throughput)
-whose Σμ meets the required throughput (``required_fn``, from the trainer's EMAs) × (1 + margin)
-active, the margin growing with the observed loss rate (parking a node that is active now needs
-an extra ``activation_hysteresis``, so the set does not flap); the rest are standby: their lease
-requests are answered ``lease_deferred`` / ``standby`` (they keep receiving broadcasts). With
-``"all"`` (default) every node is leased work, as before.
+Cost-aware activation (``policy.activation == "cost"``, DESIGN §7): see ``learner/activation.py``;
+standby nodes' lease requests are answered ``lease_deferred`` / ``standby``.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from typing import Any
 import trio
 
 from echorl.actor.types import RolloutGroup as ActorGroup
-from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -52,6 +48,7 @@ from echorl.protocol.messages import (
 )
 
 from echorl.net import routes
+from echorl.learner.admission import Admission, convert_submission, finite_row, submit_cap
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
@@ -93,16 +90,6 @@ class LeasePolicy:
         """Oldest node version that is still leased work (t − S + margin): with a publication
         period κ ≤ S − margin the last published version always qualifies."""
         return max(0, learner_version - self.staleness + self.version_lag)
-
-    def lease_seconds(self, n_prompts: int, groups_per_s: float, tokens_per_s: float) -> float:
-        """A lease's deadline: ``lease_timeout_s``, or 4× the node's expected time for it when
-        that is longer (measured group throughput, else its declared tokens/s at full length),
-        at most 20× ``lease_timeout_s``. A dead holder is found by the liveness sweep long before."""
-        if groups_per_s > 0:
-            expected = n_prompts / groups_per_s
-        else:
-            expected = n_prompts * self.group_size * self.sampling.max_new_tokens / max(tokens_per_s, 1e-3)
-        return min(max(self.lease_timeout_s, 4.0 * expected), 20.0 * self.lease_timeout_s)
 
     def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
         """Prompts a node at version b may be leased now. Groups are trained in arrival order,
@@ -151,8 +138,11 @@ class LearnerService:
         self.counters: dict[str, int] = {
             "signatures_verified": 0, "rollouts_rejected_invalid": 0, "submissions_rejected_replay": 0,
             "submissions_rejected_unknown_lease": 0, "submissions_rejected_stale": 0,
-            "submissions_accepted": 0, "groups_received": 0,
+            "submissions_accepted": 0, "groups_received": 0, "submissions_rejected_unpublished": 0,
+            "rollouts_rejected_bad": 0, "submissions_rejected_unverifiable": 0, "leases_refused": 0,
+            "train_steps_skipped_nonfinite": 0, "train_batches_dropped": 0, "versions_withheld_nonfinite": 0,
         }
+        self.admission = Admission(held_versions=policy.staleness + 2)
         self.learner_summary: dict[str, Any] = {}  # filled by the trainer loop for status
         self.host: Host | None = None
         self.spot: SpotChecker | None = None  # set by the learner when spot checks are on
@@ -177,8 +167,28 @@ class LearnerService:
             (routes.SUBMIT, self.on_submit, Submit), (routes.RETURN, self.on_return, LeaseReturn),
             (routes.STATUS, self.on_status, StatusRequest),
         ):
-            host.route(proto, handler, request=req, max_request_bytes=routes.MAX_REQUEST_BYTES[proto],
-                       rate=routes.RATES[proto])
+            joined = self.admits if proto in (routes.LEASE, routes.SUBMIT, routes.RETURN) else None
+            cap = submit_cap(self.policy.sampling.max_new_tokens, self.policy.group_size, self.policy.prompts_per_lease) if proto == routes.SUBMIT else routes.MAX_REQUEST_BYTES[proto]
+            host.route(proto, handler, request=req, max_request_bytes=cap, rate=routes.RATES[proto], admit=joined)
+
+    def admits(self, peer_id: str) -> bool:
+        """Whether a peer's lease/submit/return bodies are read at all: only once it joined."""
+        return peer_id in self.peers
+
+    def note_published(self, version: int) -> None:
+        self.published = max(self.published, version)
+        self.admission.note_published(version)
+
+    def step_skipped(self, batch: list[ActorGroup], why: str) -> None:
+        """The trainer skipped a batch: count it; after a non-finite step flag every contributor
+        (from then on each of their submissions is spot-checked)."""
+        key = "train_steps_skipped_nonfinite" if why == "nonfinite" else "train_batches_dropped"
+        self.counters[key] += 1
+        suspects = self.admission.contributors_of([g.prompt_id for g in batch])
+        log.warning("step skipped (%s); contributors flagged: %s", why, [p[:16] for p in suspects])
+        if why == "nonfinite" and self.spot is not None:
+            for pid in suspects:
+                self.spot.flag(pid)
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
         rec = self.peers.get(ctx.peer_id)
@@ -220,6 +230,13 @@ class LearnerService:
             raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                                 f"refused: {self.mismatches[ctx.peer_id]} behaviour log-prob mismatches")
         pol = self.policy
+        try:
+            wait = self.admission.lease_wait(ctx.peer_id, len(self.book.held_by(ctx.peer_id)))
+        except ProtocolError:
+            self.counters["leases_refused"] += 1
+            raise
+        if wait > 0:
+            return self._deferred("paced", retry_after_s=min(wait, 3600.0))
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
         if self.is_standby(ctx.peer_id):
@@ -234,7 +251,8 @@ class LearnerService:
         if n <= 0:
             return self._deferred("paced", retry_after_s=0.05)
         prompts = self.buffer.next_prompts(self.task, n)
-        timeout_s = pol.lease_seconds(n, peer.rollouts_per_s, float(peer.capability.tokens_per_s))
+        timeout_s = self.admission.deadline(ctx.peer_id, n, pol.group_size, pol.sampling.max_new_tokens,
+                                            pol.lease_timeout_s, float(peer.capability.tokens_per_s))
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
                      prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
@@ -256,18 +274,21 @@ class LearnerService:
         self.counters["signatures_verified"] += 1
         rec = self._open_lease(msg, ctx)
         peer = self._peer(ctx)
-        try:
-            groups = self._convert(msg, rec)
-        except ProtocolError:
-            self._settle_refused(rec, msg.nonce, "invalid")
-            self.counters["rollouts_rejected_invalid"] += 1
-            raise
         b = msg.behaviour_version
         if self.version - b > self.policy.staleness or b < rec.min_version:
             self._settle_refused(rec, msg.nonce, "stale")
             self.counters["submissions_rejected_stale"] += 1
             raise ProtocolError(ErrorCode.STALE_VERSION,
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
+        try:
+            self.admission.check_version(b, self.published)
+            groups = await trio.to_thread.run_sync(self._convert, msg, rec)
+        except ProtocolError as exc:
+            self._settle_refused(rec, msg.nonce, exc.code.value)
+            key = {ErrorCode.UNPUBLISHED_VERSION: "submissions_rejected_unpublished",
+                   ErrorCode.BAD_ROLLOUT: "rollouts_rejected_bad"}.get(exc.code, "rollouts_rejected_invalid")
+            self.counters[key] += 1
+            raise
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
         rewards = await trio.to_thread.run_sync(self.buffer.score, groups)  # the verifier: off the event loop
@@ -275,12 +296,18 @@ class LearnerService:
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
         self.book.settle(rec.lease_id, "result", msg.nonce)
-        accepted = sum(1 for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED)
+        self.admission.on_result(ctx.peer_id, len(groups), rec.issued_at)
+        accepted = 0
+        for g, r in zip(groups, rewards):
+            if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED:
+                accepted += 1
+                self.admission.note_contributor(g.prompt_id, ctx.peer_id)
         self.counters["submissions_accepted"] += 1
         self.counters["groups_received"] += len(groups)
         peer.leases_done += 1
         peer.groups_accepted += accepted
-        peer.generate_seconds += msg.generate_seconds
+        tokens = sum(len(s.token_ids) for g in msg.groups for s in g.samples)
+        peer.generate_seconds += self.admission.generate_seconds(msg.generate_seconds, tokens)
         peer.groups_generated += len(groups)
         peer.version = max(peer.version, b)
         self.accepted.set()
@@ -305,12 +332,10 @@ class LearnerService:
             res = await self.spot.check(groups, version)
         except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
             log.exception("spot check of v%d failed to run; counted as skipped", version)
-            self.counters["spot_checks_skipped"] += 1
-            return
+            return self._unchecked(rec, nonce, peer_id, version)
         self.spot_check_seconds += res.seconds
         if res.skipped:
-            self.counters["spot_checks_skipped"] += 1
-            return
+            return self._unchecked(rec, nonce, peer_id, version)
         self.counters["spot_checks"] += 1
         if res.ok:
             self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
@@ -334,6 +359,17 @@ class LearnerService:
                             f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
                             f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
 
+    def _unchecked(self, rec: LeaseRecord, nonce: bytes, peer_id: str, version: int) -> None:
+        """A spot check that could not run: counted; for a flagged peer a refusal (a flagged
+        peer cannot escape checks by claiming a version whose snapshot is gone)."""
+        self.counters["spot_checks_skipped"] += 1
+        if self.spot is None or peer_id not in self.spot.flagged:
+            return
+        self.counters["submissions_rejected_unverifiable"] += 1
+        if self.book.active.get(rec.lease_id) is rec:
+            self._settle_refused(rec, nonce, "unverifiable")
+        raise ProtocolError(ErrorCode.UNVERIFIABLE, f"flagged peer: the check of v{version} cannot run")
+
     def banned(self, peer_id: str) -> bool:
         return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
 
@@ -342,29 +378,7 @@ class LearnerService:
         self.buffer.requeue(rec.prompts)
 
     def _convert(self, msg: Submit, rec: LeaseRecord) -> list[ActorGroup]:
-        """Wire groups → actor groups; the learner tokenizes prompts and decodes completions
-        itself (the node's text and rewards are never trusted)."""
-        by_id = {p.prompt_id: p for p in rec.prompts}
-        if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
-            raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
-        stop = self.policy.sampling.stop
-        out = []
-        for g in msg.groups:
-            if len(g.samples) != rec.group_size:
-                raise ProtocolError(ErrorCode.SCHEMA, f"group {g.prompt_id}: {len(g.samples)} samples, lease says {rec.group_size}")
-            prompt = by_id[g.prompt_id]
-            samples = []
-            for s in g.samples:
-                if len(s.token_ids) > self.policy.sampling.max_new_tokens or any(t >= self.vocab_size for t in s.token_ids):
-                    raise ProtocolError(ErrorCode.SCHEMA, "completion too long or token id out of vocabulary")
-                text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                cuts = [text.find(x) for x in stop if x in text]
-                text = text[: min(cuts)] if cuts else text
-                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text))
-            ids = list(self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
-            out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
-                                  [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))
-        return out
+        return convert_submission(msg, rec, self.policy.sampling, self.tokenizer, self.vocab_size, self.admission)
 
     async def on_return(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, LeaseReturn)
@@ -397,7 +411,7 @@ class LearnerService:
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
                           "standby": self.is_standby(p.peer_id)})
-        return Status(run_id=self.run_id, learner=learner, peers=peers)
+        return Status(run_id=self.run_id, learner=finite_row(learner), peers=[finite_row(p) for p in peers])
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
         """The joined nodes a version is broadcast to: alive and heard from recently."""
@@ -474,6 +488,7 @@ class LearnerService:
             for rec in self.book.expire_due(time.monotonic()):
                 log.info("lease %s of %s expired", rec.lease_id, rec.peer_id[:16])
                 self.buffer.requeue(rec.prompts)
+                self.admission.on_expired(rec.peer_id)
             now = time.monotonic()
             quiet = [pid for pid, p in self.peers.items()
                      if p.alive and now - p.last_seen > self.policy.liveness_after_s]
@@ -495,3 +510,4 @@ class LearnerService:
             self.peers[peer_id].alive = False
             log.warning("peer %s unresponsive (%s): %d leases expired", peer_id[:16], exc, len(gone))
             self._lost(peer_id)
+

@@ -56,6 +56,8 @@ class Trainer:
     resume_extra: dict[str, Any] = field(default_factory=dict)
     service_state: Callable[[], dict[str, Any]] = dict  # the network service's part of a checkpoint
     stopping: bool = False  # set on SIGTERM: the loop ends at the next step boundary
+    checkpoint_failures: int = 0
+    checkpoint_retry: bool = False  # the last checkpoint failed: try again after the next step
 
     @property
     def kappa(self) -> int:
@@ -125,10 +127,20 @@ class Trainer:
         return str(save_checkpoint(self.cfg.checkpoint_dir, self.grpo, cursor, pending, extra=extra))
 
     async def checkpoint(self) -> None:
+        """Save now; a failure (disk full, non-finite weights) is logged and counted, never fatal,
+        and retried after the next step (``checkpoint_retry``)."""
         t0 = time.perf_counter()
         pending = self.buffer.pending_prompts()  # leases issued while saving are after the cursor
         trained = list(self.trained_prompt_ids)[-TRAINED_IDS_KEPT:]
-        path = await trio.to_thread.run_sync(self.save, self.task.cursor, pending, trained, self.service_state())
+        try:
+            path = await trio.to_thread.run_sync(self.save, self.task.cursor, pending, trained, self.service_state())
+        except (OSError, ValueError) as exc:
+            self.checkpoint_failures += 1
+            self.checkpoint_retry = True
+            log.error("checkpoint v%d failed (%d so far), retried after the next step: %s", self.grpo.version,
+                      self.checkpoint_failures, exc)
+            return
+        self.checkpoint_retry = False
         log.info("checkpoint v%d (%d prompts pending) in %.2f s: %s", self.grpo.version, len(pending),
                  time.perf_counter() - t0, path)
 
@@ -184,14 +196,21 @@ class Trainer:
                 self.prompts_trained_twice += 1
             self.trained_prompt_ids[g.prompt_id] = None
         stale_max = max(service.version - g.behaviour_version for g in batch)
-        metrics = await trio.to_thread.run_sync(self.grpo.train_step, batch)
+        try:
+            metrics = await trio.to_thread.run_sync(self.grpo.train_step, batch)
+        except ValueError as exc:  # a batch that cannot be trained is dropped, never fatal
+            log.warning("batch dropped: %s", exc)
+            metrics = {"skipped": "invalid"}
+        if metrics.get("skipped"):
+            service.step_skipped(batch, str(metrics["skipped"]))
+            return
         self.step = self.grpo.version
         service.version = self.grpo.version
         t_train = float(metrics["train_seconds"])
         self.train_seconds_total += t_train
         self.t_train_ema = t_train if self.t_train_ema == 0 else 0.8 * self.t_train_ema + 0.2 * t_train
         if self.step % self.kappa == 0 or self.step == cfg.steps:
-            publisher.offer(self.step, await trio.to_thread.run_sync(self.grpo.state_dict))
+            await self._offer(service, publisher)
         window[1] += len(batch)
         row = self._row(service, publisher, metrics, stale_max, window[1] / max(1e-9, time.monotonic() - window[0]))
         if self.step % max(1, cfg.eval_every) == 0 or self.step == cfg.steps:
@@ -201,10 +220,22 @@ class Trainer:
         if self.step % 10 == 0 or self.step == cfg.steps:
             log.info("step %d: reward %.3f eval %s nodes %d stale_max %d bcast v%s", self.step, row["reward_mean"],
                      row.get("eval_reward", "-"), row["nodes_active"], row["staleness_max"], row["broadcast_version"])
-        if cfg.checkpoint_dir and cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_dir and cfg.checkpoint_every > 0 and (self.step % cfg.checkpoint_every == 0
+                                                                 or self.checkpoint_retry):
             await self.checkpoint()
         if time.monotonic() - window[0] > 20:
             window[:] = [time.monotonic(), 0]
+
+    async def _offer(self, service: "LearnerService", publisher: "Publisher") -> None:
+        """Hand the version to the publisher, unless a weight is non-finite (never published)."""
+        from echorl.learner.grpo import state_dict_finite
+
+        state = await trio.to_thread.run_sync(self.grpo.state_dict)
+        if await trio.to_thread.run_sync(state_dict_finite, state):
+            publisher.offer(self.step, state)
+        else:
+            service.counters["versions_withheld_nonfinite"] += 1
+            log.error("v%d has non-finite weights: not published", self.step)
 
     def on_broadcast(self, rec: "BroadcastRecord") -> None:
         """Per completed broadcast: the capacity model's T_bcast (EMA)."""
@@ -238,6 +269,9 @@ class Trainer:
             "spot_check_passed_max_abs_diff": service.spot_check_passed_max_abs_diff,
             "peers_flagged": service.counters["peers_flagged"], "peers_banned": service.counters["peers_banned"],
             "leases_expired": service.book.expired, "leases_issued": service.book.issued,
+            "train_steps_skipped_nonfinite": service.counters["train_steps_skipped_nonfinite"],
+            "train_batches_dropped": service.counters["train_batches_dropped"],
+            "checkpoint_failures": self.checkpoint_failures,
             **bcast, "published_version": service.published, "publish_every": self.kappa,
             "broadcasts_skipped": publisher.skipped, "t_train_s": self.t_train_ema, "t_bcast_s": self.t_bcast_ema,
             "required_rollouts_per_s": required, "available_rollouts_per_s": available,

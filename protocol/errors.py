@@ -26,6 +26,10 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "unavailable"  # temporarily cannot serve (e.g. no work); retry later
     INTERNAL = "internal"  # the handler failed; the request may be retried
     LOGPROB_MISMATCH = "logprob_mismatch"  # behaviour log-probs disagree with the claimed version's snapshot
+    BAD_ROLLOUT = "bad_rollout"  # well-formed rollout that is not a completion of the lease (tokens after EOS/stop, ...)
+    UNPUBLISHED_VERSION = "unpublished_version"  # behaviour version the learner never published or no longer holds
+    UNVERIFIABLE = "unverifiable"  # a flagged peer's submission whose spot check cannot run
+    REFUSED = "refused"  # the learner refuses this peer (e.g. its leases keep expiring)
 
 
 class ProtocolError(Exception):
