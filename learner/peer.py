@@ -30,6 +30,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-every", dest="full_every", type=int, help="full snapshot every K publications (default 10)")
     p.add_argument("--fanout", type=int, help="broadcast fanout / stripes (default 4)")
     p.add_argument("--upload-mbps", dest="upload_mbps", type=float, help="upload cap in Mbit/s (default: none)")
-    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="where to write checkpoints")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir",
+                   help="where to write checkpoints (default runs/<run id>-<time>/checkpoints; 'none': none)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int,
                    help="checkpoint period in steps (0: only at the end and on SIGTERM)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
@@ -165,11 +167,24 @@ def run(args: argparse.Namespace) -> int:
     if cfg.resume and not cfg.checkpoint_dir:
         print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
         return 2
+    cfg.checkpoint_dir = _default_checkpoint_dir(cfg)
     try:
         trio.run(serve, cfg)
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _default_checkpoint_dir(cfg: LearnerConfig) -> str:
+    """``--checkpoint-dir`` as given (``none``: no checkpoints), else ``runs/<run id>-<time>/
+    checkpoints``, named in the log at start: a crash never loses the whole run by default."""
+    if cfg.checkpoint_dir.lower() == "none":
+        return ""
+    if cfg.checkpoint_dir:
+        return cfg.checkpoint_dir
+    path = Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}" / "checkpoints"
+    log.info("checkpoints go to %s (--checkpoint-dir to choose, 'none' for none)", path)
+    return str(path)
 
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
