@@ -160,14 +160,19 @@ class Admission:
 
 
 def convert_submission(msg: Submit, rec: Any, sampling: SamplingSpec, tokenizer: Any, vocab_size: int,
-                       admission: Admission) -> list[ActorGroup]:
+                       admission: Admission, task: Any = None) -> list[ActorGroup]:
     """Wire groups → actor groups for lease ``rec``; every completion checked
-    (:meth:`Admission.check_completion`). The learner tokenizes prompts and decodes completions
-    itself (the node's text and rewards are never trusted). Runs in a worker thread."""
+    (:meth:`Admission.check_completion`; an episode's turn boundaries are checked by its replay
+    instead). The learner tokenizes prompts and decodes completions itself (the node's text and
+    rewards are never trusted). Runs in a worker thread."""
+    from echorl.tasks.env import is_episodic
+
     by_id = {p.prompt_id: p for p in rec.prompts}
     if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
         raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
     stop = list(sampling.stop)
+    episodic = task is not None and is_episodic(task)
+    limit = task.max_episode_tokens if episodic else sampling.max_new_tokens
     eos = getattr(tokenizer, "eos_token_id", None)
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     out = []
@@ -177,12 +182,17 @@ def convert_submission(msg: Submit, rec: Any, sampling: SamplingSpec, tokenizer:
         prompt = by_id[g.prompt_id]
         samples = []
         for s in g.samples:
-            admission.check_completion(list(s.token_ids), max_new_tokens=sampling.max_new_tokens,
-                                       vocab_size=vocab_size, eos_ids=eos_ids, stop=stop, tokenizer=tokenizer)
+            if (s.model_mask is not None) != episodic:
+                raise ProtocolError(ErrorCode.SCHEMA, "an episode needs a model_mask, a completion has none")
+            admission.check_completion(list(s.token_ids), max_new_tokens=limit, vocab_size=vocab_size,
+                                       eos_ids=set() if episodic else eos_ids, stop=[] if episodic else stop,
+                                       tokenizer=tokenizer)
             text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
             cuts = [text.find(x) for x in stop if x in text]
-            text = text[: min(cuts)] if cuts else text
-            samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text))
+            text = text[: min(cuts)] if cuts and not episodic else text
+            samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text,
+                                       mask=None if s.model_mask is None else list(s.model_mask),
+                                       reward=float(s.reward_hint) if episodic else None))
         ids = list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
         out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
                               [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))

@@ -6,16 +6,16 @@ not seen (``replay``) → lease active and held by that peer (``replay`` once se
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
 staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
 version published and held (``unpublished_version``) → completions end at EOS/stop
-(``bad_rollout``) → behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3,
-``learner/spot_check.py``; ``unverifiable`` if it cannot run for a flagged peer). Lease limits,
-deadlines, expiry back-off and these checks live in ``learner/admission.py``.
-Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
+(``bad_rollout``) → spot check (``logprob_mismatch``, ``learner/spot_check.py``; ``unverifiable``
+if it cannot run for a flagged peer) → rewards by the task verifier, for episodes by replay
+(``env_mismatch``, ``learner/replay.py``, counted against the peer like a log-prob mismatch).
+Lease limits, deadlines, expiry back-off and these checks: ``learner/admission.py``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
 recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
 keeps the last S+1 published versions); if that snapshot is gone the check is skipped and
-counted (``spot_checks_skipped``), except for a flagged peer: refused. A mismatch beyond tolerance settles the lease as refused
-(its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
+counted (``spot_checks_skipped``; for a flagged peer: refused). A mismatch beyond tolerance
+settles the lease as refused (its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
 peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
 ``ban_after`` mismatches (default 3; 0: never) the peer is banned for the rest of the run: its
 leases are expired (prompts re-queued) and every later lease request is refused with
@@ -39,6 +39,7 @@ import trio
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
@@ -53,6 +54,7 @@ from echorl.learner.activation import Activation, NodeOffer, choose_active, pree
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
 from echorl.learner.spot_check import SpotChecker
+from echorl.learner.policing import Policing
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -63,7 +65,7 @@ class LeasePolicy:
     group_size: int = 8
     prompts_per_step: int = 16
     prompts_per_lease: int = 8
-    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``lease_seconds``)
+    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``Admission.deadline``)
     liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
     ping_timeout_s: float = 3.0
     heartbeat_s: float = 2.0
@@ -119,7 +121,7 @@ class PeerRecord:
         return self.groups_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
 
-class LearnerService:
+class LearnerService(Policing):
     def __init__(self, identity: Identity, run_id: str, task: Any, tokenizer: Any,
                  buffer: StalenessBuffer, policy: LeasePolicy, vocab_size: int) -> None:
         self.identity = identity
@@ -149,7 +151,7 @@ class LearnerService:
         self.ban_after = 3  # mismatches before a peer is refused leases (0: never)
         self.mismatches: dict[str, int] = {}  # peer id -> spot-check mismatches (flags survive re-joins)
         self.counters.update({"spot_checks": 0, "spot_checks_skipped": 0, "rollouts_rejected_logprob": 0,
-                              "peers_flagged": 0, "peers_banned": 0})
+                              "rollouts_rejected_env": 0, "peers_flagged": 0, "peers_banned": 0})
         self.spot_check_seconds = 0.0
         self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
         # cost-aware activation: the current decision (None: everyone active), the required Σμ
@@ -178,17 +180,6 @@ class LearnerService:
     def note_published(self, version: int) -> None:
         self.published = max(self.published, version)
         self.admission.note_published(version)
-
-    def step_skipped(self, batch: list[ActorGroup], why: str) -> None:
-        """The trainer skipped a batch: count it; after a non-finite step flag every contributor
-        (from then on each of their submissions is spot-checked)."""
-        key = "train_steps_skipped_nonfinite" if why == "nonfinite" else "train_batches_dropped"
-        self.counters[key] += 1
-        suspects = self.admission.contributors_of([g.prompt_id for g in batch])
-        log.warning("step skipped (%s); contributors flagged: %s", why, [p[:16] for p in suspects])
-        if why == "nonfinite" and self.spot is not None:
-            for pid in suspects:
-                self.spot.flag(pid)
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
         rec = self.peers.get(ctx.peer_id)
@@ -255,7 +246,8 @@ class LearnerService:
                                             pol.lease_timeout_s, float(peer.capability.tokens_per_s))
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
-                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
+                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p))
+                              for p in prompts],
                      group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
                      deadline_s=timeout_s)
 
@@ -291,7 +283,13 @@ class LearnerService:
             raise
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
-        rewards = await trio.to_thread.run_sync(self.buffer.score, groups)  # the verifier: off the event loop
+        try:  # the verifier (episodes: the replay), off the event loop
+            rewards = await trio.to_thread.run_sync(self.buffer.score, groups)
+        except ReplayMismatch as exc:
+            self.counters["rollouts_rejected_env"] += 1
+            self._count_against(ctx.peer_id, rec, msg.nonce, "env_mismatch")
+            log.warning("replay refused an episode of %s: %s", ctx.peer_id[:16], exc)
+            raise ProtocolError(ErrorCode.ENV_MISMATCH, f"episode differs from the learner's replay: {exc}"[:512]) from None
         # the spot check and the verifier ran in worker threads: the lease may have been settled
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
@@ -324,61 +322,9 @@ class LearnerService:
             self.counters[key] += 1
             raise
 
-    async def _spot_check(self, groups: list[ActorGroup], version: int, rec: LeaseRecord, nonce: bytes,
-                          peer_id: str) -> None:
-        """Recompute the behaviour log-probs; on a mismatch refuse, flag (and maybe ban)."""
-        assert self.spot is not None
-        try:
-            res = await self.spot.check(groups, version)
-        except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
-            log.exception("spot check of v%d failed to run; counted as skipped", version)
-            return self._unchecked(rec, nonce, peer_id, version)
-        self.spot_check_seconds += res.seconds
-        if res.skipped:
-            return self._unchecked(rec, nonce, peer_id, version)
-        self.counters["spot_checks"] += 1
-        if res.ok:
-            self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
-            return
-        self.counters["rollouts_rejected_logprob"] += 1
-        if self.book.active.get(rec.lease_id) is rec:  # not settled meanwhile
-            self._settle_refused(rec, nonce, "logprob_mismatch")
-        n = self.mismatches.get(peer_id, 0) + 1
-        self.mismatches[peer_id] = n
-        if n == 1:
-            self.counters["peers_flagged"] += 1
-        self.spot.flag(peer_id)
-        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
-        if self.banned(peer_id) and n == self.ban_after:
-            self.counters["peers_banned"] += 1
-            for gone in self.book.expire_peer(peer_id):
-                self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d log-prob mismatches", peer_id[:16], n)
-        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
-                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
-                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
-
-    def _unchecked(self, rec: LeaseRecord, nonce: bytes, peer_id: str, version: int) -> None:
-        """A spot check that could not run: counted; for a flagged peer a refusal (a flagged
-        peer cannot escape checks by claiming a version whose snapshot is gone)."""
-        self.counters["spot_checks_skipped"] += 1
-        if self.spot is None or peer_id not in self.spot.flagged:
-            return
-        self.counters["submissions_rejected_unverifiable"] += 1
-        if self.book.active.get(rec.lease_id) is rec:
-            self._settle_refused(rec, nonce, "unverifiable")
-        raise ProtocolError(ErrorCode.UNVERIFIABLE, f"flagged peer: the check of v{version} cannot run")
-
-    def banned(self, peer_id: str) -> bool:
-        return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
-
-    def _settle_refused(self, rec: LeaseRecord, nonce: bytes, how: str) -> None:
-        self.book.settle(rec.lease_id, how, nonce)
-        self.buffer.requeue(rec.prompts)
-
     def _convert(self, msg: Submit, rec: LeaseRecord) -> list[ActorGroup]:
-        return convert_submission(msg, rec, self.policy.sampling, self.tokenizer, self.vocab_size, self.admission)
+        return convert_submission(msg, rec, self.policy.sampling, self.tokenizer, self.vocab_size, self.admission,
+                                  self.task)
 
     async def on_return(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, LeaseReturn)

@@ -30,6 +30,7 @@ class ErrorCode(str, Enum):
     UNPUBLISHED_VERSION = "unpublished_version"  # behaviour version the learner never published or no longer holds
     UNVERIFIABLE = "unverifiable"  # a flagged peer's submission whose spot check cannot run
     REFUSED = "refused"  # the learner refuses this peer (e.g. its leases keep expiring)
+    ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
 
 
 class ProtocolError(Exception):

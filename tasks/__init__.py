@@ -5,8 +5,11 @@
 '49+97='
 
 Built in: ``addition`` (demo default), ``math`` (JSONL word problems, final-answer checking),
-``reasoning-gym`` (optional extra, untested here). Any class with the :class:`Task` attributes
-can be named as ``package.module:ClassName``; options are passed to its constructor.
+``reasoning-gym`` (optional extra, untested here), and the multi-turn environments ``poker``
+(Kuhn poker against a fixed opponent) and ``guess`` (number guessing with higher/lower feedback).
+Any class with the :class:`Task` attributes can be named as ``package.module:ClassName``; options
+are passed to its constructor. A subclass of :class:`Environment` named that way becomes an
+episodic task (:class:`EnvTask`, ``tasks/env.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import inspect
 from typing import Any
 
 from .base import EnvStep, Prompt, Task, TaskError
+from .env import Environment, EnvTask, is_episodic
 
 BUILTIN: dict[str, str] = {
     "addition": "echorl.tasks.addition:AdditionTask",
+    "poker": "echorl.tasks.poker:KuhnPoker",
+    "guess": "echorl.tasks.guess:GuessNumber",
     "math": "echorl.tasks.math_jsonl:MathJSONLTask",
     "reasoning-gym": "echorl.tasks.reasoning_gym_task:ReasoningGymTask",
 }
@@ -54,6 +60,8 @@ def load_task(spec: str, **options: Any) -> Task:
     if not isinstance(spec, str) or not spec.strip():
         raise TaskError(f"task spec must be a non-empty string, got {spec!r}")
     cls = _resolve(spec.strip())
+    if isinstance(cls, type) and issubclass(cls, Environment):
+        return EnvTask(cls, spec.strip(), **options)
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -99,4 +107,5 @@ def parse_task_options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["BUILTIN", "EnvStep", "Prompt", "Task", "TaskError", "load_task", "parse_task_options"]
+__all__ = ["BUILTIN", "EnvStep", "EnvTask", "Environment", "Prompt", "Task", "TaskError", "is_episodic", "load_task",
+           "parse_task_options"]
