@@ -117,7 +117,7 @@ class Broadcaster:
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 600.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
-                 liveness_misses: int = 2, straggler_factor: float = 3.0, straggler_floor_s: float = 10.0,
+                 liveness_misses: int = 2, straggler_factor: float = 3.0, straggler_floor_s: float = 30.0,
                  demote_for: int = 8) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
