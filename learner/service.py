@@ -12,8 +12,8 @@ if it cannot run for a flagged peer) → rewards by the task verifier, for episo
 Lease limits, deadlines, expiry back-off and these checks: ``learner/admission.py``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
-recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
-keeps the last S+1 published versions); if that snapshot is gone the check is skipped and
+recomputed with the snapshot of the claimed behaviour version (the broadcaster's store keeps
+every version within S of the newest); if that snapshot is gone the check is skipped and
 counted (``spot_checks_skipped``; for a flagged peer: refused). A mismatch beyond tolerance
 settles the lease as refused (its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
 peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
@@ -32,13 +32,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
+from pydantic import Field
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.learner.config import LeaseFields
 from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -48,7 +50,7 @@ from echorl.protocol.messages import (
     SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
 )
 
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.learner.admission import Admission, convert_submission, finite_row, submit_cap
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
@@ -59,23 +61,18 @@ from echorl.learner.policing import Policing
 log = logging.getLogger("echorl.node.learner")
 
 
-@dataclass
-class LeasePolicy:
-    staleness: int = 4
-    group_size: int = 8
-    prompts_per_step: int = 16
-    prompts_per_lease: int = 8
-    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``Admission.deadline``)
-    liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
-    ping_timeout_s: float = 3.0
-    heartbeat_s: float = 2.0
-    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
+class LeasePolicy(LeaseFields):
+    """The lease service's settings: the :class:`LeaseFields` section of the learner's config
+    plus the sampling spec leases carry (taken from the task and the trainer)."""
+
+    sampling: SamplingSpec = Field(default_factory=lambda: SamplingSpec(
         temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
-    activation: str = "all"  # "all": every node is leased work; "cost": cheapest sufficient set (DESIGN §7)
-    activation_margin: float = 0.25  # base margin over the required throughput (plus the observed loss rate)
-    activation_interval_s: float = 2.0  # re-decide this often; also the standby nodes' retry_after_s
-    activation_loss_window_s: float = 300.0  # node losses counted for the preemption margin
-    activation_hysteresis: float = 0.25  # extra margin a decision must meet to park a currently active node
+    """what every lease asks the node to sample with"""
+
+    @classmethod
+    def of(cls, cfg: LeaseFields, sampling: SamplingSpec) -> "LeasePolicy":
+        """The policy of a learner config, field by field (no field is named here)."""
+        return cls(**cfg.model_dump(include=set(LeaseFields.model_fields)), sampling=sampling)
 
     @property
     def version_lag(self) -> int:
@@ -164,14 +161,12 @@ class LearnerService(Policing):
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
         self.host = host
-        for proto, handler, req in (
-            (routes.JOIN, self.on_join, JoinRequest), (routes.LEASE, self.on_lease, LeaseRequest),
-            (routes.SUBMIT, self.on_submit, Submit), (routes.RETURN, self.on_return, LeaseReturn),
-            (routes.STATUS, self.on_status, StatusRequest),
-        ):
-            joined = self.admits if proto in (routes.LEASE, routes.SUBMIT, routes.RETURN) else None
-            cap = submit_cap(self.policy.sampling.max_new_tokens, self.policy.group_size, self.policy.prompts_per_lease) if proto == routes.SUBMIT else routes.MAX_REQUEST_BYTES[proto]
-            host.route(proto, handler, request=req, max_request_bytes=cap, rate=routes.RATES[proto], admit=joined)
+        joined = {routes.LEASE: self.admits, routes.SUBMIT: self.admits, routes.RETURN: self.admits}
+        pol = self.policy
+        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.on_lease, routes.SUBMIT: self.on_submit,
+                    routes.RETURN: self.on_return, routes.STATUS: self.on_status}, admit=joined,
+                   max_request_bytes={routes.SUBMIT: submit_cap(pol.sampling.max_new_tokens, pol.group_size,
+                                                                pol.prompts_per_lease)})
 
     def admits(self, peer_id: str) -> bool:
         """Whether a peer's lease/submit/return bodies are read at all: only once it joined."""

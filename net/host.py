@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +40,14 @@ from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Error, Message
+from echorl.protocol.routes import ROUTES
 
 from echorl.net.framing import (
     STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
     read_frame, reset_quietly, write_message,
 )
 from echorl.net.ratelimit import RateLimit, TokenBuckets
+from echorl.net.routes import RATES
 
 log = logging.getLogger("echorl.net.host")
 
@@ -188,6 +190,18 @@ class Host:
             await self._serve_stream(r, stream)
 
         self.libp2p.set_stream_handler(TProtocol(protocol), _entry)
+
+    def serve(self, handlers: Mapping[str, Handler], *, admit: Mapping[str, Admit] | None = None,
+              max_request_bytes: Mapping[str, int] | None = None) -> None:
+        """Register each ``{stream id: handler}``: the request type and size cap come from the
+        protocol's route table (``protocol/routes.py``), the rate limit from ``net/routes.py``;
+        ``admit`` and ``max_request_bytes`` (per stream id) add a peer check before any body is
+        read and a smaller cap (``route``)."""
+        for proto, handler in handlers.items():
+            spec = ROUTES[proto]
+            cap = min(spec.max_request_bytes, (max_request_bytes or {}).get(proto, spec.max_request_bytes))
+            self.route(proto, handler, request=spec.request, max_request_bytes=cap, rate=RATES[proto],
+                       admit=(admit or {}).get(proto))
 
     async def _serve_stream(self, route: Route, stream: Any) -> None:
         """Entry point libp2p calls: nothing may escape it (an escaping error kills the host)."""
