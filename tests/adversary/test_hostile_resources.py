@@ -18,7 +18,7 @@ from libp2p.peer.id import ID
 from echorl.broadcast.broadcaster import ANNOUNCE, DONE, Broadcaster, NodeInfo
 from echorl.learner.buffer import StalenessBuffer
 from echorl.learner.service import LearnerService, LeasePolicy
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.net.framing import read_frame
 from echorl.net.host import RequestContext, open_host
 from echorl.protocol import wire

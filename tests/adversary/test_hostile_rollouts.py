@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from echorl.learner.buffer import StalenessBuffer
 from echorl.learner.service import LearnerService, LeasePolicy, PeerRecord
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.net.host import RequestContext
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
