@@ -9,7 +9,8 @@ the same GRPO with actor worker processes and no network).
 The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
 typed settings), ``peer.py`` (startup wiring),
 ``service.py`` (``LearnerService``: join, lease, submit, return and status handlers, where
-untrusted input is checked), ``leases.py`` (``LeaseBook``), ``activation.py`` (cost-aware choice
+untrusted input is checked), ``admission.py`` (what a node's input must be beyond the schema;
+lease limits, deadlines, back-off), ``policing.py`` (refusing, flagging, banning a peer), ``leases.py`` (``LeaseBook``), ``activation.py`` (cost-aware choice
 of active nodes), ``spot_check.py`` (``SpotChecker``: re-scores submitted log-probs),
 ``train.py`` (``Trainer``: the GRPO loop over network rollouts, metrics, provisioning rule),
 ``publish.py`` (``Publisher``: broadcasting a version overlaps training), ``resume.py`` (what a
