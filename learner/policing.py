@@ -7,11 +7,12 @@ state it uses (``book``, ``buffer``, ``counters``, ``spot``, ``mismatches``, ``b
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.learner.leases import LeaseRecord
 from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import short_id
 
 if TYPE_CHECKING:
     from echorl.learner.admission import Admission
@@ -32,6 +33,7 @@ class Policing:
     admission: "Admission"
     spot_check_seconds: float
     spot_check_passed_max_abs_diff: float
+    peers: dict[str, Any]
 
     def step_skipped(self, batch: list[ActorGroup], why: str) -> None:
         """The trainer skipped a batch: count it; after a non-finite step flag every contributor
@@ -49,7 +51,8 @@ class Policing:
         """Recompute the behaviour log-probs; on a mismatch refuse, flag (and maybe ban)."""
         assert self.spot is not None
         try:
-            res = await self.spot.check(groups, version)
+            cap = self.peers[peer_id].capability  # joined: the submit handler looked it up
+            res = await self.spot.check(groups, version, cap.engine, cap.dtype)
         except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
             log.exception("spot check of v%d failed to run; counted as skipped", version)
             return self._unchecked(rec, nonce, peer_id, version)
@@ -63,7 +66,7 @@ class Policing:
         self.counters["rollouts_rejected_logprob"] += 1
         n = self._count_against(peer_id, rec, nonce, "logprob_mismatch")
         log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+                    short_id(peer_id), version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
         raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                             f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
                             f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
@@ -82,7 +85,7 @@ class Policing:
             self.counters["peers_banned"] += 1
             for gone in self.book.expire_peer(peer_id):
                 self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", peer_id[:16], n)
+            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", short_id(peer_id), n)
         return n
 
     def _unchecked(self, rec: LeaseRecord, nonce: bytes, peer_id: str, version: int) -> None:
