@@ -24,7 +24,12 @@ silently, DESIGN §9), serves its stripe roots, and returns when every node repo
 verified or ``timeout`` passed. Nodes that did not answer the announce or never reported done
 are in ``report.missing``; parents that nodes reported (bad chunk, stall) are in
 ``report.suspects`` and become leaves (if they completed) or are dropped (if they did not) in
-the next plan. A node reported while alive is only demoted: a lying child cannot evict a peer.
+the next plan. A node reported while alive is only demoted, for ``demote_for`` publications: a
+lying child cannot evict a peer. ``BroadcastDone`` is accepted only from a member of that
+version's plan, and only its own plan parents count as its suspects. Training never waits on one
+member: once half of the announced nodes completed, the rest get ``straggler_factor`` × the time
+that took (at least ``straggler_floor_s``); a live member that still has not reported is left out
+of the next 2^k plans (k: its misses in a row), and fetches versions by catch-up meanwhile.
 While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
 waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
 so consecutive versions use the same edges and reuse connections.
@@ -63,7 +68,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import trio
 
@@ -114,7 +119,8 @@ class Broadcaster:
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 600.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
-                 liveness_misses: int = 2, retain: int = 0) -> None:
+                 liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
+                 straggler_floor_s: float = 30.0, demote_for: int = 8) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -137,7 +143,13 @@ class Broadcaster:
         self._since_full = 0
         self._done: dict[int, dict[str, BroadcastDone]] = {}
         self._done_changed = trio.Event()
-        self._demote: set[str] = set()  # reported but completed: leaves next time
+        self.straggler_factor = straggler_factor
+        self.straggler_floor_s = straggler_floor_s
+        self.demote_for = demote_for
+        self._plans: dict[int, Any] = {}  # version -> its BroadcastPlan (who may report, and about whom)
+        self._n_pub = 0  # publications so far: demotions and exclusions count in publications
+        self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
+        self._silent: dict[str, tuple[int, int]] = {}  # live member that never reported: (misses in a row, left out until publication)
         self._drop: set[str] = set()  # reported and did not complete: left out next time
 
     def install(self) -> None:
@@ -179,12 +191,29 @@ class Broadcaster:
         assert isinstance(msg, BroadcastDone)
         if msg.run_id != self.run_id:
             raise ProtocolError(ErrorCode.NOT_FOUND, "other run")
-        per = self._done.get(msg.version)
+        per, plan = self._done.get(msg.version), self._plans.get(msg.version)
+        if per is not None and plan is not None and ctx.peer_id not in plan.peers:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"not a member of the v{msg.version} plan")
         if per is not None and ctx.peer_id not in per:
-            per[ctx.peer_id] = msg
+            parents = {st.parent_of().get(ctx.peer_id) for st in plan.stripes} if plan is not None else set()
+            per[ctx.peer_id] = msg.model_copy(update={"suspects": [p for p in msg.suspects if p in parents]})
             self._done_changed.set()
             self._done_changed = trio.Event()
         return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
+
+    def _benched(self, peer_id: str) -> bool:
+        return self._silent.get(peer_id, (0, -1))[1] >= self._n_pub
+
+    def _note_silent(self, version: int, silent: set[str], reported: set[str]) -> None:
+        """Members that answered the announce (and pings) but never reported: left out of the next
+        2^k plans, k their misses in a row; a report clears the record."""
+        for p in reported:
+            self._silent.pop(p, None)
+        for p in silent:
+            misses = self._silent.get(p, (0, 0))[0] + 1
+            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, 6) - 1)
+            log.info("v%d: %s never reported done; left out of the next %d plans", version, p[:16],
+                     2 ** min(misses, 6))
 
     async def _build(self, version: int, data: bytes) -> tuple[Manifest, list[bytes], list[bytes]]:
         prev = self._prev
@@ -225,9 +254,9 @@ class Broadcaster:
 
         members = []
         for n in nodes:
-            if n.peer_id in self._drop or n.peer_id == self.host.peer_id:
+            if n.peer_id in self._drop or n.peer_id == self.host.peer_id or self._benched(n.peer_id):
                 continue
-            reachable = n.reachable and n.peer_id not in self._demote
+            reachable = n.reachable and self._demote.get(n.peer_id, -1) < self._n_pub
             members.append(PlanMember(peer_id=n.peer_id, reachable=reachable, addrs=list(n.addrs)[:16]))
             if n.addrs:
                 self.host.add_peer_addrs(n.peer_id, list(n.addrs))
@@ -243,7 +272,9 @@ class Broadcaster:
         self.server.add_state(state)
         self.server.chain.hold(manifest, state.chunks())
         self._done[version] = {}
+        self._plans[version] = state.plan
         while len(self._done) > 8:
+            self._plans.pop(next(iter(self._done)), None)
             self._done.pop(next(iter(self._done)))
 
         t0 = time.perf_counter()
@@ -263,19 +294,28 @@ class Broadcaster:
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
-        with trio.move_on_after(timeout or self.done_timeout_s):
+        with trio.move_on_after(timeout or self.done_timeout_s) as whole:
             while not (announced - gone).issubset(done):
+                if 2 * len(done) >= len(announced - gone) and whole.deadline > (
+                        cut := trio.current_time() + max(self.straggler_floor_s,
+                                                         self.straggler_factor * (time.perf_counter() - t0))):
+                    whole.deadline = cut  # half are done: the rest get a bounded wait, set once
                 with trio.move_on_after(self.liveness_every_s):
                     await self._done_changed.wait()
                     continue
                 await self._probe(announced - gone - set(done), gone, failures)
         seconds = time.perf_counter() - t0
+        self._n_pub += 1
+        self._note_silent(version, announced - gone - set(done), set(done))
 
         completed = sorted(p for p, d in done.items() if d.ok)
         suspects = sorted({s for d in done.values() for s in d.suspects})
         missing = sorted(m.peer_id for m in members if m.peer_id not in completed)
         for s in suspects:
-            (self._demote if s in completed else self._drop).add(s)
+            if s in completed:
+                self._demote[s] = self._n_pub + self.demote_for - 1
+            else:
+                self._drop.add(s)
         self._drop |= gone - set(completed)  # dead: left out of the next plan (the caller's node set may re-add them later)
         return BroadcastReport(
             version=version, seconds=seconds, bytes=manifest.payload_bytes, kind=manifest.kind,

@@ -11,9 +11,14 @@ loop fed by actor worker processes, no network).
 The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
 typed settings), ``peer.py`` (startup wiring),
 ``service.py`` (``LearnerService``: join, lease, submit, return and status handlers, where
-untrusted input is checked), ``leases.py`` (``LeaseBook``, ``LeasePolicy``), ``activation.py``
-(cost-aware choice of active nodes), ``spot_check.py`` (``SpotChecker``: re-scores submitted
-log-probs), ``train.py`` (the loop fed by network rollouts: ``NetworkSource``, provisioning rule),
+untrusted input is checked), ``admission.py`` (what a node's input must be beyond the schema;
+lease limits, deadlines, back-off), ``policing.py`` (refusing, flagging, banning a peer),
+``membership.py`` (one live process per key, dial-back reachability, the signed run end),
+``ledger.py`` (signed receipts, rejections by reason, cost), ``replay.py`` (multi-turn episodes
+replayed from the environment seed), ``leases.py`` (``LeaseBook``, ``LeasePolicy``),
+``activation.py`` (cost-aware choice of active nodes), ``spot_check.py`` (``SpotChecker``:
+re-scores submitted log-probs) with ``tolerances.py`` (per engine and dtype), ``train.py`` (the
+loop fed by network rollouts: ``NetworkSource``, provisioning rule),
 ``publish.py`` (``Publisher``: broadcasting a version overlaps training), ``resume.py`` (what a
 checkpoint keeps of the network side: bans, node addresses).
 

@@ -7,6 +7,12 @@ and ``LATEST`` (name of the newest complete checkpoint). Every file is written t
 name, fsync'ed and renamed (``os.replace``); a checkpoint directory is assembled under a
 temporary name and renamed into place before ``LATEST`` is switched, so a crash at any moment
 leaves the previous checkpoint intact.
+
+A re-save of a version already on disk goes to a new directory (``v00000042-1``, ...), so the
+complete checkpoint ``LATEST`` names is never deleted before ``LATEST`` names its successor;
+:func:`load_checkpoint` falls back to the newest complete directory if ``LATEST`` names nothing
+usable. Temporary files and directories a crashed save left behind are removed at the next save
+(:func:`clean_temp`). Weights that are not finite are never saved (``ValueError``).
 """
 
 from __future__ import annotations
@@ -90,12 +96,18 @@ def save_checkpoint(
     import torch
     from safetensors.torch import save
 
+    from echorl.learner.grpo import state_dict_finite
+
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"v{trainer.version:08d}"
+    clean_temp(root)
+    weights = trainer.state_dict()
+    if not state_dict_finite(weights):
+        raise ValueError(f"v{trainer.version}: non-finite weights are never checkpointed")
+    name = _free_name(root, f"v{trainer.version:08d}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        atomic_write_bytes(tmp / "model.safetensors", save(trainer.state_dict()))
+        atomic_write_bytes(tmp / "model.safetensors", save(weights))
         buf = io.BytesIO()
         torch.save(trainer.optimizer.state_dict(), buf)
         atomic_write_bytes(tmp / "optimizer.pt", buf.getvalue())
@@ -106,8 +118,6 @@ def save_checkpoint(
         }
         atomic_write_bytes(tmp / "state.json", json.dumps(state).encode())
         final = root / name
-        if final.exists():
-            shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
     except BaseException:
@@ -120,8 +130,51 @@ def save_checkpoint(
     return final
 
 
+def _free_name(root: Path, base: str) -> str:
+    """``base``, or ``base-N`` when a checkpoint of that version exists (names sort in save order)."""
+    if not (root / base).exists():
+        return base
+    n = 1
+    while (root / f"{base}-{n:04d}").exists():
+        n += 1
+    return f"{base}-{n:04d}"
+
+
+def clean_temp(root: Path) -> int:
+    """Remove what an interrupted save left (``.v*`` temp dirs, ``.LATEST.*`` / ``.*.tmp`` files);
+    returns how many entries went. Only call while no save runs (saves are serial)."""
+    gone = 0
+    for p in root.iterdir():
+        if not p.name.startswith("."):
+            continue
+        if p.is_dir() and p.name.startswith(".v"):
+            shutil.rmtree(p, ignore_errors=True)
+            gone += 1
+        elif p.is_file() and p.name.startswith(f".{LATEST}."):
+            p.unlink(missing_ok=True)
+            gone += 1
+    return gone
+
+
+def _complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in ("model.safetensors", "optimizer.pt", "state.json"))
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The directory to load: the one ``LATEST`` names if complete, else the newest complete one."""
+    latest = root / LATEST
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if named.name.startswith("v") and _complete(named):
+            return named
+    dirs = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and _complete(p)),
+                  key=lambda p: p.name, reverse=True)
+    return dirs[0] if dirs else None
+
+
 def has_checkpoint(root: str | Path) -> bool:
-    return (Path(root) / LATEST).is_file()
+    root = Path(root)
+    return root.is_dir() and _newest_complete(root) is not None
 
 
 def load_checkpoint(root: str | Path) -> Checkpoint:
@@ -130,9 +183,9 @@ def load_checkpoint(root: str | Path) -> Checkpoint:
     from safetensors.torch import load_file
 
     root = Path(root)
-    if not has_checkpoint(root):
-        raise FileNotFoundError(f"no checkpoint in {root} (missing {LATEST})")
-    path = root / (root / LATEST).read_text().strip()
+    path = _newest_complete(root) if root.is_dir() else None
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint in {root}")
     state = json.loads((path / "state.json").read_text())
     return Checkpoint(
         path=path,

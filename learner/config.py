@@ -65,7 +65,7 @@ class TrainingFields(ModelFields, TaskFields, BatchFields):
     metrics_out: str = ""
     """JSON-lines metrics file, one line per learner step"""
     checkpoint_dir: str = ""
-    """where to write checkpoints"""
+    """where to write checkpoints (echorl learner: default runs/<run id>-<time>/checkpoints; 'none': none)"""
     checkpoint_every: int = Field(0, ge=0, le=10**9)
     """checkpoint period in steps (0: only at the end, and on SIGTERM for the learner)"""
     resume: bool = False

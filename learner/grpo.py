@@ -2,10 +2,15 @@
 truncated importance weights, optional KL to a reference, token- or sequence-level
 normalisation.
 
+Nothing a rollout carries can make the weights non-finite: the log-ratio is clamped to ±``MAX_LOG_RATIO``
+before ``exp`` (behaviour log-probs are also bounded at the wire, ``limits.MIN_LOGPROB``); a step
+whose loss or gradient is still non-finite is skipped (no optimizer step, version unchanged,
+``skipped == "nonfinite"``), and a batch with no trainable token is skipped (``skipped == "empty"``).
+
 Per completion token with log-prob ``l`` under the current policy, behaviour log-prob ``l_b``
 (returned by the actor, policy version b) and advantage ``A`` of its sample:
 
-    r = exp(l - l_b)                                   ratio pi_theta / pi_b
+    r = exp(clamp(l - l_b, -20, 20))                   ratio pi_theta / pi_b
     s = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)        PPO clipped surrogate
     if A < 0 and r > tis_cap:  s = min(r, tis_cap) * A   (value), gradient tis_cap * A * dl
     loss_tok = -s + kl_coef * (exp(l_ref - l) - (l_ref - l) - 1)     (k3 KL estimator)
@@ -23,6 +28,7 @@ completion tokens of the batch, ``"sequence"`` averages per sequence then over s
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +38,10 @@ from echorl.actor.types import RolloutGroup
 
 if TYPE_CHECKING:
     import torch
+
+MAX_LOG_RATIO = 20.0
+"""|log π_θ − log π_b| is clamped here before ``exp``: e^20 is far beyond every clip and truncation
+(so the loss is unchanged for any sane token) yet far below float32 overflow (e^88)."""
 
 
 @dataclass
@@ -111,7 +121,7 @@ def grpo_token_loss(
 
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)[:, None].expand_as(logp)
-    ratio = torch.exp(logp - behaviour_logp)
+    ratio = torch.exp(torch.clamp(logp - behaviour_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     surr = torch.minimum(ratio * adv, clipped * adv)
     trunc = (adv < 0) & (ratio > cfg.tis_cap)
@@ -142,6 +152,14 @@ def grpo_token_loss(
             "kl": float((kl * mask).sum()) / n if kl is not None else 0.0,
         }
     return loss, stats
+
+
+def state_dict_finite(state: dict[str, Any]) -> bool:
+    """True iff every floating-point tensor of ``state`` is finite."""
+    import torch
+
+    return all(bool(torch.isfinite(t).all()) for t in state.values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 class GRPOTrainer:
@@ -176,6 +194,10 @@ class GRPOTrainer:
     @property
     def version(self) -> int:
         return self._version
+
+    def weights_finite(self) -> bool:
+        """True iff every parameter is finite (checked before a version is published or saved)."""
+        return state_dict_finite(self.model.state_dict())
 
     def state_dict(self) -> dict[str, "torch.Tensor"]:
         """Detached CPU copies of the policy weights (for publishing a version and checkpoints).
@@ -238,7 +260,7 @@ class GRPOTrainer:
                 rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs), s.mask))
                 advs.append(adv)
         if not rows:
-            raise ValueError("train_step needs at least one non-empty sample")
+            return self._skipped("empty", t0)
         n_tokens = float(sum(len(c) if m is None else sum(map(bool, m)) for _, c, _, m in rows))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -261,9 +283,12 @@ class GRPOTrainer:
             for k in totals:
                 totals[k] += st[k] * w
             mismatch += float(((logp.detach() - blogp).abs() * cmask).sum()) / n_tokens
-        grad_norm = 0.0
-        if self.config.max_grad_norm:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+        # the global norm is non-finite iff one gradient is; max_norm=inf measures without clipping
+        max_norm = self.config.max_grad_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._skipped("nonfinite", t0, loss=loss_sum, grad_norm=grad_norm)
         self.optimizer.step()
         self._version += 1
         return {
@@ -271,6 +296,12 @@ class GRPOTrainer:
             "sequences": len(rows), "tokens": int(n_tokens), "grad_norm": grad_norm,
             "logp_abs_diff": mismatch, "train_seconds": time.perf_counter() - t0, **totals,
         }
+
+    def _skipped(self, why: str, t0: float, **extra: float) -> dict[str, Any]:
+        """Metrics of a step that was not taken: the version stays, the weights are untouched."""
+        return {"version": self._version, "skipped": why, "loss": float("nan"), "reward_mean": 0.0, "sequences": 0,
+                "tokens": 0, "grad_norm": 0.0, "logp_abs_diff": 0.0, "train_seconds": time.perf_counter() - t0,
+                "ratio_mean": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl": 0.0, **extra}
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)

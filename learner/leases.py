@@ -142,16 +142,6 @@ class LeasePolicy(LeaseFields):
         """Oldest node version still leased work (the rule shared with train-local)."""
         return leasable_min_version(learner_version, published, self.staleness)
 
-    def lease_seconds(self, n_prompts: int, groups_per_s: float, tokens_per_s: float) -> float:
-        """A lease's deadline: ``lease_timeout_s``, or 4× the node's expected time for it when
-        that is longer (measured group throughput, else its declared tokens/s at full length),
-        at most 20× ``lease_timeout_s``. A dead holder is found by the liveness sweep long before."""
-        if groups_per_s > 0:
-            expected = n_prompts / groups_per_s
-        else:
-            expected = n_prompts * self.group_size * self.sampling.max_new_tokens / max(tokens_per_s, 1e-3)
-        return min(max(self.lease_timeout_s, 4.0 * expected), 20.0 * self.lease_timeout_s)
-
     def room(self, learner_version: int, node_version: int, in_flight: int) -> int:
         """Prompts a node at version b may be leased now. Groups are trained in arrival order,
         B per step, so a prompt with X prompts in flight before it (itself included) is trained

@@ -69,6 +69,9 @@ class RolloutSource(Protocol):
     def metrics(self) -> dict[str, Any]:
         """Source-specific fields of the metrics row (may override the loop's)."""
 
+    def step_skipped(self, batch: list[Any], why: str) -> None:
+        """The loop dropped ``batch`` untrained (``why``: "nonfinite", "empty", "invalid")."""
+
 
 @dataclass
 class LoopSettings:
@@ -101,6 +104,10 @@ class TrainingLoop:
         self.stopping = False  # set on SIGTERM: the loop ends at the next step boundary
         self.trained_prompt_ids: dict[str, None] = {}  # insertion-ordered
         self.prompts_trained_twice = 0
+        # what hostile or broken input cost: steps skipped, versions withheld, failed checkpoints
+        self.faults = {"train_steps_skipped_nonfinite": 0, "train_batches_dropped": 0,
+                       "versions_withheld_nonfinite": 0, "checkpoint_failures": 0}
+        self.checkpoint_retry = False  # the last checkpoint failed: try again after the next step
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self.busy_s = self.eval_s = self.eval_s_at_first = self.t_train_ema = 0.0
@@ -200,7 +207,16 @@ class TrainingLoop:
         extra = {**meta, "loop": self.state_dict(),
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         cursor = self.task.cursor
-        path = await trio.to_thread.run_sync(save_checkpoint, self.settings.checkpoint_dir, self.grpo, cursor, None, extra)
+        try:
+            path = await trio.to_thread.run_sync(save_checkpoint, self.settings.checkpoint_dir, self.grpo, cursor,
+                                                 None, extra)
+        except (OSError, ValueError) as exc:  # disk full, non-finite weights: logged, counted, retried
+            self.faults["checkpoint_failures"] += 1
+            self.checkpoint_retry = True
+            log.error("checkpoint v%d failed (%d so far), retried after the next step: %s", self.version,
+                      self.faults["checkpoint_failures"], exc)
+            return ""
+        self.checkpoint_retry = False
         log.info("checkpoint v%d (%d prompts pending) in %.2f s: %s", self.version,
                  len(extra["buffer"].get("pending", [])), time.perf_counter() - t0, path)
         return str(path)
@@ -278,13 +294,22 @@ class TrainingLoop:
         if self.t_first is None:
             self.t_first, self.eval_s_at_first = time.monotonic(), self.eval_s
         t0 = time.perf_counter()
-        metrics = await trio.to_thread.run_sync(self.grpo.train_step, batch)
+        try:
+            metrics = await trio.to_thread.run_sync(self.grpo.train_step, batch)
+        except ValueError as exc:  # a batch that cannot be trained is dropped, never fatal
+            log.warning("batch dropped: %s", exc)
+            metrics = {"skipped": "invalid"}
+        if metrics.get("skipped"):
+            why = str(metrics["skipped"])
+            self.faults["train_steps_skipped_nonfinite" if why == "nonfinite" else "train_batches_dropped"] += 1
+            source.step_skipped(batch, why)
+            return
         t_train = float(metrics["train_seconds"])
         self.t_train_ema = t_train if self.t_train_ema == 0 else 0.8 * self.t_train_ema + 0.2 * t_train
         v = self.version
         final = v == s.steps
         if v % self.kappa == 0 or final:
-            await source.publish(v, await trio.to_thread.run_sync(self.grpo.state_dict))
+            await self._publish(source, v)
         self.busy_s += time.perf_counter() - t0
         source.after_step()
         self._window[1] += len(batch)
@@ -297,10 +322,22 @@ class TrainingLoop:
         if v % 10 == 0 or final:
             log.info("step %d: reward %.3f eval %s stale_max %d busy %.2f", v, row["reward_mean"],
                      row["eval_reward"], row["staleness_max"], row["busy_fraction"])
-        if s.checkpoint_dir and s.checkpoint_every > 0 and v % s.checkpoint_every == 0 and not final:
+        if s.checkpoint_dir and s.checkpoint_every > 0 and (v % s.checkpoint_every == 0 or self.checkpoint_retry) \
+                and not final:
             await self.checkpoint()
         if time.monotonic() - self._window[0] > 20:
             self._window = [time.monotonic(), 0]
+
+    async def _publish(self, source: RolloutSource, version: int) -> None:
+        """Hand the version to the source, unless a weight is non-finite (never published)."""
+        from echorl.learner.grpo import state_dict_finite
+
+        state = await trio.to_thread.run_sync(self.grpo.state_dict)
+        if await trio.to_thread.run_sync(state_dict_finite, state):
+            await source.publish(version, state)
+        else:
+            self.faults["versions_withheld_nonfinite"] += 1
+            log.error("v%d has non-finite weights: not published", version)
 
     def busy_fraction(self) -> float:
         """Time in GRPO steps and publication, over the wall time since the first batch minus
@@ -322,6 +359,7 @@ class TrainingLoop:
             "rollouts_per_s": self._window[1] / max(1e-9, time.monotonic() - self._window[0]),
             "publish_every": self.kappa, "t_train_s": self.t_train_ema, "busy_fraction": self.busy_fraction(),
             "prompts_trained_twice": self.prompts_trained_twice, "elapsed_s": time.monotonic() - self.started,
+            **self.faults,
         }
 
     SUMMARY_KEYS = ("step", "reward_mean", "staleness_max", "busy_fraction", "t_train_s", "t_bcast_s",

@@ -29,6 +29,8 @@ import argparse
 import logging
 import signal
 import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         config.fail("learner", exc)
         return 2
     log.info("learner device: %s", device)
+    cfg.checkpoint_dir = _default_checkpoint_dir(cfg)
     try:
         trio.run(serve, cfg)
     except KeyboardInterrupt:
@@ -90,6 +93,16 @@ def _check_addresses(cfg: LearnerConfig) -> None:
     taken = port_taken(cfg.listen)
     if taken:
         raise AddressError(taken)
+def _default_checkpoint_dir(cfg: LearnerConfig) -> str:
+    """``--checkpoint-dir`` as given (``none``: no checkpoints), else ``runs/<run id>-<time>/
+    checkpoints``, named in the log at start: a crash never loses the whole run by default."""
+    if cfg.checkpoint_dir.lower() == "none":
+        return ""
+    if cfg.checkpoint_dir:
+        return cfg.checkpoint_dir
+    path = Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}" / "checkpoints"
+    log.info("checkpoints go to %s (--checkpoint-dir to choose, 'none' for none)", path)
+    return str(path)
 
 
 async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -5,29 +5,25 @@ run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signa
 not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
 staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
-behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``) →
-rewards by the task verifier, for episodes by replay (``env_mismatch``, ``learner/replay.py``,
-counted against the peer like a log-prob mismatch). Accepted groups go to the ``StalenessBuffer``.
+version published and held (``unpublished_version``) → completions end at EOS/stop
+(``bad_rollout``) → spot check (``logprob_mismatch``, ``learner/spot_check.py``; ``unverifiable``
+if it cannot run for a flagged peer) → rewards by the task verifier, for episodes by replay
+(``env_mismatch``, ``learner/replay.py``, counted against the peer like a log-prob mismatch).
+Lease limits, deadlines, expiry back-off and these checks: ``learner/admission.py``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
 recomputed with the snapshot of the claimed behaviour version (the broadcaster's store keeps
 every version within S of the newest); if that snapshot is gone the check is skipped and
-counted (``spot_checks_skipped``). A mismatch beyond tolerance settles the lease as refused
-(its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
+counted (``spot_checks_skipped``; for a flagged peer: refused). A mismatch beyond tolerance
+settles the lease as refused (its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
 peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
 ``ban_after`` mismatches (default 3; 0: never) the peer is banned for the rest of the run: its
 leases are expired (prompts re-queued) and every later lease request is refused with
 ``logprob_mismatch``. Flags and bans are kept by peer ID across re-joins and, through the
 learner's checkpoint (``learner/resume.py``), across a learner restart with ``--resume``.
 
-Cost-aware activation (``policy.activation == "cost"``, DESIGN §7, ``learner/activation.py``): every
-``activation_interval_s`` (in ``maintain``), and at once when an active node is found dead, the
-learner keeps the cheapest set of live nodes (ascending price per unit of measured throughput)
-whose Σμ meets the required throughput (``required_fn``, from the trainer's EMAs) × (1 + margin)
-active, the margin growing with the observed loss rate (parking a node that is active now needs
-an extra ``activation_hysteresis``, so the set does not flap); the rest are standby: their lease
-requests are answered ``lease_deferred`` / ``standby`` (they keep receiving broadcasts). With
-``"all"`` (default) every node is leased work, as before.
+Cost-aware activation (``policy.activation == "cost"``, DESIGN §7): see ``learner/activation.py``;
+standby nodes' lease requests are answered ``lease_deferred`` / ``standby``.
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ from typing import Any
 import trio
 
 from echorl.actor.types import RolloutGroup as ActorGroup
-from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
 from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
@@ -52,9 +47,9 @@ from echorl.protocol.messages import (
     Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeasePrompt, LeaseRequest, LeaseReturn, Message,
     Status, StatusRequest, Submit, SubmitAccepted,
 )
-from echorl.tasks.env import is_episodic
 
 from echorl.protocol import routes
+from echorl.learner.admission import Admission, convert_submission, finite_row, submit_cap
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.membership import Members
@@ -62,6 +57,7 @@ from echorl.learner.ledger import Ledger
 from echorl.learner.leases import LeaseBook, LeasePolicy, LeaseRecord  # noqa: F401 - LeasePolicy re-exported
 from echorl.learner.resume import decode_service_state, encode_service_state
 from echorl.learner.spot_check import SpotChecker
+from echorl.learner.policing import Policing
 from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.learner")
@@ -86,7 +82,7 @@ class PeerRecord:
         return self.groups_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
 
-class LearnerService:
+class LearnerService(Policing):
     """``version`` (the trainer's newest version t), ``required`` (the provisioning rule's Σμ)
     and ``summary`` (the run's headline figures for status) are read from the trainer."""
 
@@ -113,9 +109,12 @@ class LearnerService:
         self.counters: dict[str, int] = {
             "signatures_verified": 0, "rollouts_rejected_invalid": 0, "submissions_rejected_replay": 0,
             "submissions_rejected_unknown_lease": 0, "submissions_rejected_stale": 0,
-            "submissions_accepted": 0, "groups_received": 0,
+            "submissions_accepted": 0, "groups_received": 0, "submissions_rejected_unpublished": 0,
+            "rollouts_rejected_bad": 0, "submissions_rejected_unverifiable": 0, "leases_refused": 0,
+            "train_steps_skipped_nonfinite": 0, "train_batches_dropped": 0, "versions_withheld_nonfinite": 0,
         }
         self.summary = summary
+        self.admission = Admission(held_versions=policy.staleness + 2)
         self.host: Host | None = None
         self.spot = spot  # None: spot checks off
         self.ban_after = ban_after  # mismatches before a peer is refused leases (0: never)
@@ -140,6 +139,7 @@ class LearnerService:
     def note_published(self, version: int) -> None:
         """A version is held for the fetch fallback and being broadcast: nodes may ask for it."""
         self.published = max(self.published, version)
+        self.admission.note_published(version)
 
     async def wait_for_submission(self, timeout_s: float) -> None:
         """Until the next accepted submission (or ``timeout_s``, or :meth:`stop`)."""
@@ -168,9 +168,18 @@ class LearnerService:
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
         self.host = host
+        joined = {routes.LEASE: self.admits, routes.SUBMIT: self.admits, routes.RETURN: self.admits}
+        pol = self.policy
         host.serve({routes.JOIN: self.on_join, routes.LEASE: self.members.lease_or_end(self.on_lease, self.peers),
                     routes.SUBMIT: self.ledger.counting(self.on_submit), routes.RETURN: self.on_return,
-                    routes.STATUS: self.on_status})  # joins and the run's end: learner/membership.py
+                    routes.STATUS: self.on_status},  # joins and the run's end: learner/membership.py
+                   admit=joined,
+                   max_request_bytes={routes.SUBMIT: submit_cap(pol.sampling.max_new_tokens, pol.group_size,
+                                                                pol.prompts_per_lease)})
+
+    def admits(self, peer_id: str) -> bool:
+        """Whether a peer's lease/submit/return bodies are read at all: only once it joined."""
+        return peer_id in self.peers
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
         rec = self.peers.get(ctx.peer_id)
@@ -211,6 +220,13 @@ class LearnerService:
             raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                                 f"refused: {self.mismatches[ctx.peer_id]} behaviour log-prob mismatches")
         pol = self.policy
+        try:
+            wait = self.admission.lease_wait(ctx.peer_id, len(self.book.held_by(ctx.peer_id)))
+        except ProtocolError:
+            self.counters["leases_refused"] += 1
+            raise
+        if wait > 0:
+            return self._deferred("paced", retry_after_s=min(wait, 3600.0))
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
         if self.is_standby(ctx.peer_id):
@@ -225,7 +241,8 @@ class LearnerService:
         if n <= 0:
             return self._deferred("paced", retry_after_s=0.05)
         prompts = self.buffer.next_prompts(self.task, n)
-        timeout_s = pol.lease_seconds(n, peer.rollouts_per_s, float(peer.capability.tokens_per_s))
+        timeout_s = self.admission.deadline(ctx.peer_id, n, pol.group_size, pol.sampling.max_new_tokens,
+                                            pol.lease_timeout_s, float(peer.capability.tokens_per_s))
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
                      prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p))
@@ -248,18 +265,21 @@ class LearnerService:
         self.counters["signatures_verified"] += 1
         rec = self._open_lease(msg, ctx)
         peer = self._peer(ctx)
-        try:
-            groups = self._convert(msg, rec)
-        except ProtocolError:
-            self._settle_refused(rec, msg.nonce, "invalid")
-            self.counters["rollouts_rejected_invalid"] += 1
-            raise
         b = msg.behaviour_version
         if self.version - b > self.policy.staleness or b < rec.min_version:
             self._settle_refused(rec, msg.nonce, "stale")
             self.counters["submissions_rejected_stale"] += 1
             raise ProtocolError(ErrorCode.STALE_VERSION,
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
+        try:
+            self.admission.check_version(b, self.published)
+            groups = await trio.to_thread.run_sync(self._convert, msg, rec)
+        except ProtocolError as exc:
+            self._settle_refused(rec, msg.nonce, exc.code.value)
+            key = {ErrorCode.UNPUBLISHED_VERSION: "submissions_rejected_unpublished",
+                   ErrorCode.BAD_ROLLOUT: "rollouts_rejected_bad"}.get(exc.code, "rollouts_rejected_invalid")
+            self.counters[key] += 1
+            raise
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
         try:  # the verifier (episodes: the replay), off the event loop
@@ -273,13 +293,17 @@ class LearnerService:
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
         self.book.settle(rec.lease_id, "result", msg.nonce)
+        self.admission.on_result(ctx.peer_id, len(groups), rec.issued_at)
         kept = [g for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED]
         accepted = len(kept)
+        for g in kept:
+            self.admission.note_contributor(g.prompt_id, ctx.peer_id)
         self.counters["submissions_accepted"] += 1
         self.counters["groups_received"] += len(groups)
         peer.leases_done += 1
         peer.groups_accepted += accepted
-        peer.generate_seconds += msg.generate_seconds
+        tokens = sum(len(s.token_ids) for g in msg.groups for s in g.samples)
+        peer.generate_seconds += self.admission.generate_seconds(msg.generate_seconds, tokens)
         peer.groups_generated += len(groups)
         peer.version = max(peer.version, b)
         self.accepted.set()
@@ -297,87 +321,9 @@ class LearnerService:
             self.counters[key] += 1
             raise
 
-    async def _spot_check(self, groups: list[ActorGroup], version: int, rec: LeaseRecord, nonce: bytes,
-                          peer_id: str) -> None:
-        """Recompute the behaviour log-probs; on a mismatch refuse, flag (and maybe ban)."""
-        assert self.spot is not None
-        try:
-            cap = self.peers[peer_id].capability  # joined: the submit handler looked it up
-            res = await self.spot.check(groups, version, cap.engine, cap.dtype)
-        except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
-            log.exception("spot check of v%d failed to run; counted as skipped", version)
-            self.counters["spot_checks_skipped"] += 1
-            return
-        self.spot_check_seconds += res.seconds
-        if res.skipped:
-            self.counters["spot_checks_skipped"] += 1
-            return
-        self.counters["spot_checks"] += 1
-        if res.ok:
-            self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
-            return
-        self.counters["rollouts_rejected_logprob"] += 1
-        n = self._count_against(peer_id, rec, nonce, "logprob_mismatch")
-        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    short_id(peer_id), version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
-        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
-                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
-                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
-
-    def _count_against(self, peer_id: str, rec: LeaseRecord, nonce: bytes, how: str) -> int:
-        """A forged submission: settle it refused, flag the peer, ban at ``ban_after``; the count."""
-        if self.book.active.get(rec.lease_id) is rec:  # not settled meanwhile
-            self._settle_refused(rec, nonce, how)
-        n = self.mismatches.get(peer_id, 0) + 1
-        self.mismatches[peer_id] = n
-        if n == 1:
-            self.counters["peers_flagged"] += 1
-        if self.spot is not None:
-            self.spot.flag(peer_id)
-        if self.banned(peer_id) and n == self.ban_after:
-            self.counters["peers_banned"] += 1
-            for gone in self.book.expire_peer(peer_id):
-                self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", short_id(peer_id), n)
-        return n
-
-    def banned(self, peer_id: str) -> bool:
-        return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
-
-    def _settle_refused(self, rec: LeaseRecord, nonce: bytes, how: str) -> None:
-        self.book.settle(rec.lease_id, how, nonce)
-        self.buffer.requeue(rec.prompts)
-
     def _convert(self, msg: Submit, rec: LeaseRecord) -> list[ActorGroup]:
-        """Wire groups → actor groups; the learner tokenizes prompts and decodes completions
-        itself (the node's text and rewards are never trusted)."""
-        by_id = {p.prompt_id: p for p in rec.prompts}
-        if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
-            raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
-        stop = self.policy.sampling.stop
-        episodic = is_episodic(self.task)
-        limit = self.task.max_episode_tokens if episodic else self.policy.sampling.max_new_tokens
-        out = []
-        for g in msg.groups:
-            if len(g.samples) != rec.group_size:
-                raise ProtocolError(ErrorCode.SCHEMA, f"group {g.prompt_id}: {len(g.samples)} samples, lease says {rec.group_size}")
-            prompt = by_id[g.prompt_id]
-            samples = []
-            for s in g.samples:
-                if len(s.token_ids) > limit or any(t >= self.vocab_size for t in s.token_ids):
-                    raise ProtocolError(ErrorCode.SCHEMA, "completion too long or token id out of vocabulary")
-                if (s.model_mask is not None) != episodic:
-                    raise ProtocolError(ErrorCode.SCHEMA, "an episode needs a model_mask, a completion has none")
-                text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                cuts = [text.find(x) for x in stop if x in text]
-                text = text[: min(cuts)] if cuts and not episodic else text
-                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text,
-                                           mask=None if s.model_mask is None else list(s.model_mask),
-                                           reward=float(s.reward_hint) if episodic else None))
-            ids = list(self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
-            out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
-                                  [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))
-        return out
+        return convert_submission(msg, rec, self.policy.sampling, self.tokenizer, self.vocab_size, self.admission,
+                                  self.task)
 
     async def on_return(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, LeaseReturn)
@@ -411,7 +357,7 @@ class LearnerService:
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive, "reachable": c.reachable,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
                           "standby": self.is_standby(p.peer_id), **self.ledger.peer_fields(p.peer_id)})
-        return Status(run_id=self.run_id, learner=learner, peers=peers)
+        return Status(run_id=self.run_id, learner=finite_row(learner), peers=[finite_row(p) for p in peers])
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
         """The joined nodes a version is broadcast to: alive and heard from recently."""
@@ -488,6 +434,7 @@ class LearnerService:
             for rec in self.book.expire_due(time.monotonic()):
                 log.info("lease %s of %s expired", rec.lease_id, short_id(rec.peer_id))
                 self.buffer.requeue(rec.prompts)
+                self.admission.on_expired(rec.peer_id)
             now = time.monotonic()
             quiet = [pid for pid, p in self.peers.items()
                      if p.alive and now - p.last_seen > self.policy.liveness_after_s]
@@ -509,3 +456,4 @@ class LearnerService:
             self.peers[peer_id].alive = False
             log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), exc, len(gone))
             self._lost(peer_id)
+

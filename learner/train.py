@@ -103,6 +103,10 @@ class NetworkSource:
     def after_step(self) -> None:
         """Nodes ask for leases themselves (paced by ``LeasePolicy.room``)."""
 
+    def step_skipped(self, batch: list[Any], why: str) -> None:
+        """Counted for status; after a non-finite step the contributors are flagged."""
+        self.service.step_skipped(batch, why)
+
     def metrics(self) -> dict[str, Any]:
         service, publisher, prov = self.service, self.publisher, self.provisioning
         c = service.counters

@@ -1,7 +1,9 @@
 """The libp2p host wrapper every echorl peer uses: robust request/response over py-libp2p 0.8.1.
 
 * ``route(protocol, handler, ...)`` serves ``/echorl/<name>/1``: framed msgpack requests, one
-  reply each, several requests per stream. A handler that raises never takes the host down: the
+  reply each, several requests per stream. ``admit(peer_id)`` (optional) is asked before any
+  body is read: a refused peer gets ``Error(not_found)`` and the stream is closed unread. Bodies
+  over ``OFFLOAD_DECODE_BYTES`` are decoded in a worker thread, never on the event loop. A handler that raises never takes the host down: the
   error is logged, the peer gets ``Error(internal)`` and the stream is closed. ``ProtocolError``
   from a handler becomes ``Error(code)``. Per-peer token-bucket rate limits, per-route request
   size caps, a per-peer cap on concurrent streams, and deadlines on every read, write and handler.
@@ -52,6 +54,9 @@ from echorl.protocol.identity import short_id
 log = logging.getLogger("echorl.net.host")
 
 Handler = Callable[[Message, "RequestContext"], Awaitable[Message]]
+Admit = Callable[[str], bool]
+
+OFFLOAD_DECODE_BYTES = 64 * 1024  # larger request bodies are decoded (and validated) off the event loop
 
 
 class RemoteError(ProtocolError):
@@ -100,6 +105,7 @@ class Route:
     rate: RateLimit | None
     timeout_s: float
     buckets: TokenBuckets | None = None
+    admit: Admit | None = None  # asked before a body is read; None: everyone
 
 
 @dataclass
@@ -211,10 +217,11 @@ class Host:
         max_request_bytes: int = 64 * 1024,
         rate: RateLimit | None = RateLimit(20.0, 40.0),
         timeout_s: float | None = None,
+        admit: Admit | None = None,
     ) -> None:
         types = request if isinstance(request, tuple) else (request,)
         r = Route(protocol, handler, types, min(max_request_bytes, limits.MAX_FRAME_BYTES), rate,
-                  timeout_s or self.config.handler_timeout_s, TokenBuckets(rate) if rate else None)
+                  timeout_s or self.config.handler_timeout_s, TokenBuckets(rate) if rate else None, admit)
         self._routes[protocol] = r
 
         async def _entry(stream: Any) -> None:
@@ -222,13 +229,17 @@ class Host:
 
         self.libp2p.set_stream_handler(TProtocol(protocol), _entry)
 
-    def serve(self, handlers: Mapping[str, Handler]) -> None:
+    def serve(self, handlers: Mapping[str, Handler], *, admit: Mapping[str, Admit] | None = None,
+              max_request_bytes: Mapping[str, int] | None = None) -> None:
         """Register each ``{stream id: handler}``: the request type and size cap come from the
-        protocol's route table (``protocol/routes.py``), the rate limit from ``net/routes.py``."""
+        protocol's route table (``protocol/routes.py``), the rate limit from ``net/routes.py``;
+        ``admit`` and ``max_request_bytes`` (per stream id) add a peer check before any body is
+        read and a smaller cap (``route``)."""
         for proto, handler in handlers.items():
             spec = ROUTES[proto]
-            self.route(proto, handler, request=spec.request, max_request_bytes=spec.max_request_bytes,
-                       rate=RATES[proto])
+            cap = min(spec.max_request_bytes, (max_request_bytes or {}).get(proto, spec.max_request_bytes))
+            self.route(proto, handler, request=spec.request, max_request_bytes=cap, rate=RATES[proto],
+                       admit=(admit or {}).get(proto))
 
     async def _serve_stream(self, route: Route, stream: Any) -> None:
         """Entry point libp2p calls: nothing may escape it (an escaping error kills the host)."""
@@ -255,6 +266,11 @@ class Host:
     async def _serve_loop(self, route: Route, stream: Any, peer: str) -> None:
         cfg = self.config
         while True:
+            if route.admit is not None and not route.admit(peer):
+                self._refused(ErrorCode.NOT_FOUND)
+                await self._reply(stream, Error(code=ErrorCode.NOT_FOUND.value, detail="not admitted: join first"))
+                await close_quietly(stream)
+                return
             try:
                 body = await read_frame(stream, max_bytes=route.max_request_bytes,
                                         first_byte_timeout=cfg.idle_timeout_s, io_timeout=cfg.io_timeout_s)
@@ -281,7 +297,8 @@ class Host:
                     return
                 continue
             try:
-                msg = wire.decode(body)
+                msg = wire.decode(body) if len(body) <= OFFLOAD_DECODE_BYTES else \
+                    await trio.to_thread.run_sync(wire.decode, body)
                 if not isinstance(msg, route.request_types):
                     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{msg.type!r} not served on {route.protocol}")
             except ProtocolError as exc:

@@ -27,6 +27,10 @@ class ErrorCode(str, Enum):
     INTERNAL = "internal"  # the handler failed; the request may be retried
     LOGPROB_MISMATCH = "logprob_mismatch"  # behaviour log-probs disagree with the claimed version's snapshot
     IDENTITY_IN_USE = "identity_in_use"  # another live node process already joined with this key
+    BAD_ROLLOUT = "bad_rollout"  # well-formed rollout that is not a completion of the lease (tokens after EOS/stop, ...)
+    UNPUBLISHED_VERSION = "unpublished_version"  # behaviour version the learner never published or no longer holds
+    UNVERIFIABLE = "unverifiable"  # a flagged peer's submission whose spot check cannot run
+    REFUSED = "refused"  # the learner refuses this peer (e.g. its leases keep expiring)
     ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
 
 

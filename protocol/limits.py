@@ -33,3 +33,8 @@ MAX_CHUNKS = 1 << 18
 MAX_DEPTH = 8
 #: Signed records older/newer than this (seconds) are replays / clock errors.
 MAX_CLOCK_SKEW_S = 300.0
+#: Lowest behaviour log-prob a completion token may carry. A sampled token is never this unlikely
+#: (e^-100); below about -88 ``exp(logp - behaviour_logp)`` overflows float32 in the GRPO ratio.
+MIN_LOGPROB = -100.0
+#: Fastest generation a node may declare or be measured at (tokens/s); derived rates are capped here.
+MAX_TOKENS_PER_S = 1e8

@@ -23,7 +23,7 @@ Version = Annotated[int, Field(ge=-1, le=2**53)]  # -1: "none" / "latest", as ea
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 NonNegFinite = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
+LogProb = Annotated[float, Field(ge=limits.MIN_LOGPROB, le=0.0, allow_inf_nan=False)]
 Nonce = Annotated[bytes, Field(min_length=16, max_length=32)]
 Signature = Annotated[bytes, Field(min_length=64, max_length=64)]
 Digest = Annotated[bytes, Field(min_length=32, max_length=32)]  # SHA-256
@@ -67,8 +67,8 @@ class Capability(OptionalFieldsModel):
     engine: Name  # "torch", "vllm"
     device: Name  # "cpu", "cuda:0", "NVIDIA RTX 4090"
     memory_bytes: Count
-    tokens_per_s: NonNegFinite  # measured by the node at start
-    price_per_hour: NonNegFinite  # what the volunteer asks, in the run's currency unit
+    tokens_per_s: Annotated[float, Field(ge=0.0, le=limits.MAX_TOKENS_PER_S, allow_inf_nan=False)]  # node's own claim
+    price_per_hour: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]  # what the volunteer asks, in the run's currency unit
     reachable: bool  # can others dial it (interior of broadcast trees)?
     listen_addrs: Annotated[list[Text], Field(max_length=16)]
     dtype: Name | None = None  # weights' dtype ("float32", "bfloat16", "float16"); None: float32
@@ -183,12 +183,12 @@ class LeaseReturn(Message):
 class Sample(OptionalFieldsModel):
     """A completion, or (``model_mask`` set) an episode's transcript: model turns and
     environment observations interleaved, ``model_mask`` True on the model's tokens (observation
-    tokens carry log-prob 0.0). The learner recomputes the reward; for an episode it replays it,
+    tokens carry log-prob 0.0). At least one token (an honest actor always samples one, EOS included). The learner recomputes the reward; for an episode it replays it,
     and a ``reward_hint`` that differs from the replay is refused as ``env_mismatch``."""
 
     OPTIONAL: ClassVar[tuple[str, ...]] = ("model_mask",)
-    token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_COMPLETION_TOKENS)]
-    logprobs: Annotated[list[LogProb], Field(max_length=limits.MAX_COMPLETION_TOKENS)]
+    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=limits.MAX_COMPLETION_TOKENS)]
+    logprobs: Annotated[list[LogProb], Field(min_length=1, max_length=limits.MAX_COMPLETION_TOKENS)]
     finish_reason: Literal["stop", "length", "eos"]
     reward_hint: Finite  # the actor's own reward: for logging only, the learner recomputes
     model_mask: Annotated[list[bool], Field(max_length=limits.MAX_COMPLETION_TOKENS)] | None = None
@@ -218,7 +218,7 @@ class Submit(Message):
     peer_id: PeerId
     behaviour_version: Version  # the policy version every sample was generated with
     groups: Annotated[list[RolloutGroup], Field(min_length=1, max_length=limits.MAX_PROMPTS_PER_LEASE)]
-    generate_seconds: NonNegFinite
+    generate_seconds: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)]  # the learner floors it
     nonce: Nonce
     signature: Signature = b"\0" * 64
 

@@ -1,5 +1,5 @@
-"""A foreign peer attacks a real learner process: garbage bytes, an oversized frame, a forged
-signature, a submission signed by another key, a replay, a stale version, a stale join. Each is
+"""A foreign peer attacks a real learner process: garbage bytes (before joining: refused unread),
+an oversized frame, a forged signature, a submission signed by another key, a replay, a stale version, a stale join. Each is
 refused with its error code, the learner stays up, and the accepted count does not change."""
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ async def attack(addr: str) -> dict:
         out["forged_join"] = await remote_code(req(routes.JOIN, join.model_copy(update={"signature": b"\x01" * 64})))
         signed_join = wire.sign(join, me)
         assert isinstance(await req(routes.JOIN, signed_join, expect=JoinAccepted), JoinAccepted)
+        out["garbage_joined"] = await _raw(host, learner, routes.SUBMIT, struct.pack(">I", 6) + b"\xc1garbg")
         out["replayed_join"] = await remote_code(req(routes.JOIN, signed_join))
 
         lease = await _lease(host, learner, 0)
@@ -111,7 +112,8 @@ def test_foreign_peer_attacks_are_refused(swarm, tmp_path):
     cfg.write_text(json.dumps(CONFIG))
     addr = swarm.start_learner("--config", str(cfg))
     out = trio.run(attack, addr)
-    assert out["garbage"] == "malformed"
+    assert out["garbage"] == "not_found"  # not joined yet: the body is not even read
+    assert out["garbage_joined"] == "malformed"
     assert out["oversized"] == "oversized"
     assert out["stale_join"] == "replay"
     assert out["forged_join"] == "bad_signature"

@@ -59,16 +59,21 @@ def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
     trio.run(main)
 
 
-def test_lease_deadline_scales_with_the_node_and_is_capped() -> None:
-    from echorl.protocol.messages import SamplingSpec
+def test_lease_deadline_scales_with_the_learner_measured_rate_and_is_capped() -> None:
+    from echorl.learner.admission import Admission
 
-    pol = LeasePolicy(group_size=8, lease_timeout_s=30.0,
-                      sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=256, stop=[]))
-    assert pol.lease_seconds(4, groups_per_s=10.0, tokens_per_s=1.0) == 30.0  # fast node: the floor
-    assert pol.lease_seconds(4, groups_per_s=0.1, tokens_per_s=1e6) == 160.0  # measured: 4 × 40 s
+    adm = Admission()
+    args = dict(group_size=8, max_new_tokens=256, base_s=30.0)
     # not yet measured: declared 151 tok/s, 2 prompts × 8 samples × 256 tokens ≈ 27 s → 4 × that
-    assert pol.lease_seconds(2, groups_per_s=0.0, tokens_per_s=151.0) == 4 * 2 * 8 * 256 / 151.0
-    assert pol.lease_seconds(4, groups_per_s=0.0, tokens_per_s=0.0) == 600.0  # a claimed 0 tok/s: capped
+    assert adm.deadline("a", 2, declared_tokens_per_s=151.0, **args) == 4 * 2 * 8 * 256 / 151.0
+    # a claimed 0 tok/s buys no long deadline: at most 4 × the base until the learner measured the peer
+    assert adm.deadline("a", 4, declared_tokens_per_s=0.0, **args) == 120.0
+    adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)  # 10 groups/s, measured by the learner
+    assert adm.deadline("fast", 4, declared_tokens_per_s=0.0, **args) == 30.0  # the floor
+    adm.on_result("slow", groups=4, issued_at=0.0, now=40.0)  # 0.1 groups/s
+    assert adm.deadline("slow", 4, declared_tokens_per_s=1e6, **args) == 160.0  # 4 × 40 s, declared ignored
+    adm.on_result("crawl", groups=1, issued_at=0.0, now=1000.0)
+    assert adm.deadline("crawl", 4, declared_tokens_per_s=1e6, **args) == 600.0  # capped at 20 × base
 
 
 def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() -> None:

@@ -1,0 +1,172 @@
+"""A hostile volunteer attacks resources and the broadcast, in process over real libp2p hosts:
+a lease hoarder (one lease until measured, back-off, then refused; an honest peer keeps getting
+work), a peer that never joined sending a big SUBMIT frame (refused before its body is read), a
+silent plan member (a bounded wait, then left out of plans), a fake ``BroadcastDone`` reporter
+(refused; a member's suspects count only if they are its parents), and checkpoints that survive a
+crash in the middle of a re-save."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import numpy as np
+import pytest
+import trio
+from libp2p.peer.id import ID
+
+from echorl.broadcast.broadcaster import ANNOUNCE, DONE, Broadcaster, NodeInfo
+from echorl.learner.buffer import StalenessBuffer
+from echorl.learner.service import LearnerService, LeasePolicy
+from echorl.protocol import routes
+from echorl.net.framing import read_frame
+from echorl.net.host import RequestContext, open_host
+from echorl.protocol import wire
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import BroadcastAck, BroadcastDone, Lease, LeaseDeferred, LeaseRequest, PlanAnnounce
+
+from test_hostile_rollouts import RUN, _join, _service, tiny  # noqa: F401 - fixture
+
+
+def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa: F811
+    async def main() -> None:
+        svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=8)
+        svc.note_published(0)
+        hoarder, honest = Identity.generate(), Identity.generate()
+        hctx, gctx = _join(svc, hoarder, tokens_per_s=0.0), _join(svc, honest)
+        req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+        first = await svc.on_lease(req, hctx)
+        assert isinstance(first, Lease) and first.deadline_s <= 4 * 30.0  # a declared 0 tok/s buys no 600 s
+        second = await svc.on_lease(req, hctx)  # unmeasured: one lease at a time
+        assert isinstance(second, LeaseDeferred) and second.reason == "paced"
+        assert isinstance(await svc.on_lease(req, gctx), Lease)  # the honest peer is served
+        for round_ in range(svc.admission.policy.refuse_after_expiries):
+            for rec in svc.book.held_by(hoarder.peer_id):
+                rec.deadline = 0.0
+            for rec in svc.book.expire_due(time.monotonic()):
+                svc.buffer.requeue(rec.prompts)
+                svc.admission.on_expired(rec.peer_id)
+            if round_ + 1 < svc.admission.policy.refuse_after_expiries:
+                reply = await svc.on_lease(req, hctx)
+                assert isinstance(reply, LeaseDeferred) and reply.retry_after_s >= 2.0 * 2 ** round_ - 0.1
+                svc.admission.load(hoarder.peer_id).backoff_until = 0.0  # the back-off passed
+                assert isinstance(await svc.on_lease(req, hctx), Lease)
+        with pytest.raises(ProtocolError) as err:
+            await svc.on_lease(req, hctx)
+        assert err.value.code == ErrorCode.REFUSED and svc.counters["leases_refused"] == 1
+
+    trio.run(main)
+
+
+def test_unjoined_peer_big_submit_is_refused_unread(tiny) -> None:  # noqa: F811
+    """The header announces a 4 MiB body and only a few bytes follow: a learner that reads the
+    body first waits out its I/O timeout and answers nothing; one that checks the peer first
+    answers ``not_found`` at once."""
+    async def main() -> None:
+        svc = _service(tiny)
+        async with open_host(svc.identity) as host, open_host(Identity.generate()) as foreign:
+            svc.install(host)
+            learner = await foreign.connect(host.addrs[0])
+            stream = await foreign.libp2p.new_stream(ID.from_base58(learner), [routes.SUBMIT])
+            await stream.write(struct.pack(">I", 4 * 1024 * 1024) + b"\x00" * 64)
+            with trio.fail_after(5):
+                body = await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=5, io_timeout=5)
+            assert wire.decode(body).code == "not_found"
+            assert host.stats.refused["not_found"] == 1 and host.stats.truncated == 0
+
+    trio.run(main)
+
+
+def _member(host, nursery: trio.Nursery, learner: str, report: bool) -> None:
+    """Make ``host`` a plan member that acknowledges every announce; it reports done only if ``report``."""
+
+    async def on_announce(msg, ctx):
+        assert isinstance(msg, PlanAnnounce)
+        if report:
+            done = BroadcastDone(run_id=RUN, version=msg.version, ok=True, seconds=0.1, recovered_chunks=0,
+                                 suspects=[], detail="")
+            nursery.start_soon(host.request, learner, DONE, done)
+        return BroadcastAck(run_id=RUN, version=msg.version, have_version=msg.version)
+
+    host.route(ANNOUNCE, on_announce, request=PlanAnnounce)
+
+
+def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
+    from safetensors.numpy import save
+
+    async def main() -> None:
+        identity = Identity.generate()
+        async with open_host(identity) as host, open_host(Identity.generate()) as good, \
+                open_host(Identity.generate()) as silent, trio.open_nursery() as nursery:
+            bc = Broadcaster(host, identity, RUN, direct=False, straggler_floor_s=1.0, done_timeout_s=60.0)
+            bc.install()
+            _member(good, nursery, host.peer_id, report=True)
+            _member(silent, nursery, host.peer_id, report=False)
+            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, silent)]
+            report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
+            assert report.completed == [good.peer_id] and report.missing == [silent.peer_id]
+            assert report.seconds < 15  # not the 60 s done timeout
+            report2 = await bc.publish(2, save({"w": np.ones(16, dtype=np.float32)}), nodes)
+            assert report2.nodes == 1 and report2.completed == [good.peer_id]  # the silent one is left out
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_broadcast_done_only_from_members_about_their_own_parents() -> None:
+    from echorl.protocol.plan import PlanPeer, plan_broadcast
+
+    async def main() -> None:
+        identity = Identity.generate()
+        async with open_host(identity) as host:
+            bc = Broadcaster(host, identity, RUN, fanout=2)
+            members = [Identity.generate().peer_id for _ in range(6)]
+            plan = plan_broadcast(host.peer_id, [PlanPeer(m) for m in members], 2)
+            bc._done[5], bc._plans[5] = {}, plan
+            outsider = Identity.generate().peer_id
+            accuse = lambda who: BroadcastDone(run_id=RUN, version=5, ok=True, seconds=0.1,  # noqa: E731
+                                               recovered_chunks=0, suspects=[who], detail="")
+            ctx = lambda pid: RequestContext(peer_id=pid, protocol=DONE, received_at=time.time())  # noqa: E731
+            with pytest.raises(ProtocolError) as err:
+                await bc._on_done(accuse(members[0]), ctx(outsider))
+            assert err.value.code == ErrorCode.NOT_FOUND and outsider not in bc._done[5]
+            reporter = members[-1]
+            parents = {st.parent_of().get(reporter) for st in plan.stripes}
+            stranger = next(m for m in members if m not in parents and m != reporter)
+            await bc._on_done(accuse(stranger), ctx(reporter))
+            assert bc._done[5][reporter].suspects == []  # not its parent: ignored, nobody demoted
+
+    trio.run(main)
+
+
+def test_resave_of_a_version_never_leaves_latest_dangling(tmp_path, tiny, monkeypatch) -> None:  # noqa: F811
+    """A crash (here: an exception standing in for SIGKILL) while re-saving the version ``LATEST``
+    names: before, the complete checkpoint was deleted first and ``LATEST`` dangled."""
+    import copy
+    import os
+
+    from echorl.learner import checkpoint as ck
+    from echorl.learner.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(copy.deepcopy(tiny.model))
+    ck.save_checkpoint(tmp_path, trainer, cursor=3)
+    real_replace = os.replace
+
+    def crash(src, dst):
+        if os.path.isdir(src):
+            raise KeyboardInterrupt("killed between the two renames")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, trainer, cursor=4)
+    monkeypatch.setattr(ck.os, "replace", real_replace)
+    assert ck.load_checkpoint(tmp_path).cursor == 3  # the previous complete checkpoint
+    (tmp_path / ".v00000000.leftover").mkdir()
+    (tmp_path / ".LATEST.abc123").write_bytes(b"x")
+    ck.save_checkpoint(tmp_path, trainer, cursor=5)
+    assert ck.load_checkpoint(tmp_path).cursor == 5
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # temp files cleaned
+    (tmp_path / ck.LATEST).write_text("v99999999")  # names nothing: load falls back to the newest complete
+    assert ck.load_checkpoint(tmp_path).cursor == 5
