@@ -261,6 +261,7 @@ class _Loop:
         return 0
 
     def _train(self, emit: Any, console: Any, t_start: float) -> None:
+        from echorl.tasks import reward_errors
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         a = self.args
@@ -295,7 +296,8 @@ class _Loop:
                       "learner_busy_frac": self.busy_frac(),
                       "seconds": round(wall, 3), "loss": m["loss"], "clip_frac": m["clip_frac"],
                       "tis_frac": m["tis_frac"], "logp_abs_diff": m["logp_abs_diff"],
-                      "train_seconds": m["train_seconds"], "published_version": self.published})
+                      "train_seconds": m["train_seconds"], "published_version": self.published,
+                      "reward_errors": reward_errors(self.task)})
                 bar.update(job, completed=v, description=(
                     f"reward {m['reward_mean']:.2f} eval {last_eval if last_eval is not None else float('nan'):.2f} "
                     f"stale≤{max(staleness)} rejected {c['rollouts_rejected_stale']} "

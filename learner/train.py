@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from echorl.protocol.messages import SamplingSpec
+from echorl.tasks import reward_errors
 
 if TYPE_CHECKING:
     from echorl.learner.peer import LearnerConfig
@@ -227,7 +228,7 @@ class Trainer:
             "staleness_step_max": stale_max, "staleness_max": int(bc["staleness_max"]),
             "staleness_mean": float(bc["staleness_mean"]), "rollouts_accepted": int(bc["rollouts_accepted"]),
             "rollouts_rejected_stale": int(bc["rollouts_rejected_stale"]) + service.counters["submissions_rejected_stale"],
-            "rollouts_per_s": rollouts_per_s, "nodes_active": len(active),
+            "rollouts_per_s": rollouts_per_s, "nodes_active": len(active), "reward_errors": reward_errors(self.task),
             "signatures_verified": service.counters["signatures_verified"],
             "rollouts_rejected_invalid": service.counters["rollouts_rejected_invalid"],
             "submissions_rejected_replay": service.counters["submissions_rejected_replay"],

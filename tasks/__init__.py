@@ -5,15 +5,27 @@
 '49+97='
 
 Built in: ``addition`` (demo default), ``math`` (JSONL word problems, final-answer checking),
-``reasoning-gym`` (optional extra, untested here). Any class with the :class:`Task` attributes
-can be named as ``package.module:ClassName``; options are passed to its constructor.
+``reasoning-gym`` (optional extra ``tasks``; ``reasoning_gym:NAME`` picks a generator). Any class
+with the :class:`Task` attributes can be named as ``package.module:ClassName`` (modules in the
+current working directory are found too); options are passed to its constructor.
+
+A user's verifier is untrusted code: :func:`load_task` wraps ``task.reward`` in a
+:class:`RewardGuard`, so a verifier that raises or returns a non-number scores that sample 0,
+is counted (:func:`reward_errors`, the ``reward_errors`` metric) and logged once, and the run
+goes on.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+import logging
+import math
+import numbers
+import os
+import sys
+import threading
+from typing import Any, Callable
 
 from .base import EnvStep, Prompt, Task, TaskError
 
@@ -24,6 +36,41 @@ BUILTIN: dict[str, str] = {
 }
 
 _REQUIRED = ("next_prompts", "reward", "eval_prompts")
+log = logging.getLogger("echorl.tasks")
+
+
+class RewardGuard:
+    """``task.reward`` made safe to call from the learner: an exception or a result that is not
+    a finite number (NaN, inf, None, a string, ...) becomes reward 0.0 and increments
+    :attr:`errors`; the first such failure is logged with the task's name (not every one: a
+    broken verifier would otherwise flood the log once per sample). Thread-safe: the learner
+    scores in worker threads."""
+
+    def __init__(self, task_name: str, reward: Callable[[Prompt, str], Any]) -> None:
+        self.task_name, self.inner = task_name, reward
+        self.errors = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, prompt: Prompt, completion_text: str) -> float:
+        try:
+            value = self.inner(prompt, completion_text)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise TypeError(f"reward returned {value!r} (type {type(value).__name__}), not a finite number")
+            return float(value)
+        except Exception as exc:  # the verifier is user code: any failure scores 0, never stops the run
+            with self._lock:
+                self.errors += 1
+                first = self.errors == 1
+            if first:
+                log.warning("task %r: reward failed for prompt %r, scored 0 (further failures are only "
+                            "counted in reward_errors): %s: %s", self.task_name,
+                            getattr(prompt, "prompt_id", "?"), type(exc).__name__, exc)
+            return 0.0
+
+
+def reward_errors(task: Any) -> int:
+    """How many samples the task's verifier failed on so far (0 for an unguarded task)."""
+    return int(getattr(getattr(task, "reward", None), "errors", 0))
 
 
 def _resolve(spec: str) -> type:
@@ -35,6 +82,9 @@ def _resolve(spec: str) -> type:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise TaskError(f"bad task spec {spec!r}: expected 'package.module:ClassName'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # appended: a user's file never shadows an installed module
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -53,7 +103,12 @@ def load_task(spec: str, **options: Any) -> Task:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise TaskError(f"task spec must be a non-empty string, got {spec!r}")
-    cls = _resolve(spec.strip())
+    spec = spec.strip()
+    for prefix in ("reasoning_gym:", "reasoning-gym:"):
+        if spec.startswith(prefix) and spec[len(prefix):]:
+            options = {**options, "dataset": spec[len(prefix):]}
+            spec = "reasoning-gym"
+    cls = _resolve(spec)
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -74,6 +129,8 @@ def load_task(spec: str, **options: Any) -> Task:
         raise TaskError(f"task {spec!r}: {cls.__name__} lacks {missing}")
     if not hasattr(task, "cursor"):
         raise TaskError(f"task {spec!r}: {cls.__name__} has no integer 'cursor'")
+    if not isinstance(task.reward, RewardGuard):
+        task.reward = RewardGuard(str(getattr(task, "name", spec)), task.reward)
     return task
 
 
@@ -99,4 +156,5 @@ def parse_task_options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["BUILTIN", "EnvStep", "Prompt", "Task", "TaskError", "load_task", "parse_task_options"]
+__all__ = ["BUILTIN", "EnvStep", "Prompt", "RewardGuard", "Task", "TaskError", "load_task", "parse_task_options",
+           "reward_errors"]
