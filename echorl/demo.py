@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300, help="learner steps (one optimizer step = one policy version)")
     p.add_argument("--staleness", type=int, default=4, help="staleness bound S: a rollout of version b is used at step t iff t - b <= S")
     p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl", help="JSON line per learner step")
-    p.add_argument("--seed", type=int, default=0, help="seed of the built-in model, prompts and sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling (the built-in model is the same for every seed)")
     p.add_argument("--workdir", default="", help="keys, logs and the address file (default: a temp dir)")
     p.add_argument("--publish-every", dest="publish_every", type=int, default=0,
                    help="publication period κ (default max(1, S-1))")
@@ -85,10 +85,10 @@ def run(args: argparse.Namespace) -> int:
         model_dir = Path(args.model).resolve()
         print(f"echorl demo: model {model_dir}; logs in {work}", flush=True)
     else:
-        print(f"echorl demo: building the tiny model (cached after the first run); logs in {work}", flush=True)
-        from echorl.actor.model import build_default_model
+        print(f"echorl demo: built-in tiny model; logs in {work}", flush=True)
+        from echorl.actor.model import default_model
 
-        model_dir = build_default_model(seed=args.seed)
+        model_dir = default_model()
     task = ["--task", args.task, *(a for opt in args.task_option for a in ("--task-option", opt))]
     addr_file = work / "learner.addr"
     addr_file.unlink(missing_ok=True)

@@ -37,11 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=None, help="prompts leased at once (default B if S=0 else 2B)")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (0 leaves the weights untouched)")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
+    p.add_argument("--no-off-policy-correction", dest="off_policy_correction", action="store_false",
+                   help="ablation: ratio against the current policy, no clip/truncation against the behaviour policy")
     p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model")
     p.add_argument("--loss-norm", choices=["token", "sequence"], default="token", help="average the loss over tokens or over sequences")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0, help="seed of prompt order, sampling, and the default model")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompt order and sampling (the built-in model is the same for every seed)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period in steps (and at the end)")
     p.add_argument("--metrics-out", default=None, help="JSONL file, one line per step")
     p.add_argument("--checkpoint-dir", default=None, help="where to write checkpoints")
@@ -88,7 +90,7 @@ class _Loop:
         import torch
 
         from echorl.actor.backend import TorchBackend
-        from echorl.actor.model import build_default_model
+        from echorl.actor.model import default_model
         from echorl.actor.types import SamplingParams
         from echorl.learner.buffer import StalenessBuffer
         from echorl.learner.grpo import GRPOConfig, GRPOTrainer
@@ -96,9 +98,10 @@ class _Loop:
         a = self.args
         torch.set_num_threads(1)
         torch.manual_seed(a.seed)
-        self.model_dir = Path(a.model) if a.model else build_default_model(seed=a.seed)
+        self.model_dir = Path(a.model) if a.model else default_model()
         cfg = GRPOConfig(lr=a.lr, clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
-                         loss_norm=a.loss_norm, temperature=a.temperature)
+                         loss_norm=a.loss_norm, temperature=a.temperature,
+                         off_policy_correction=a.off_policy_correction)
         self.trainer = GRPOTrainer(self.model_dir, cfg)
         self.buffer = StalenessBuffer(a.staleness, scorer=self.task.reward)
         self.kappa = a.publish_every or max(1, a.staleness - 1)

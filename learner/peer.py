@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", type=int, help="staleness bound S")
     p.add_argument("--metrics-out", dest="metrics_out", help="JSON-lines metrics file")
     p.add_argument("--addr-file", dest="addr_file", help="write the bootstrap multiaddr here")
-    p.add_argument("--seed", type=int, help="seed of the built-in model, prompts and sampling")
+    p.add_argument("--seed", type=int, help="seed of prompts and sampling (the built-in model is the same for every seed)")
     p.add_argument("--model", help="Hugging Face model directory (default: the tiny demo model)")
     p.add_argument("--task", help="built-in task name or module:Class (default: addition)")
     p.add_argument("--task-option", dest="task_option", action="append", metavar="KEY=VALUE",

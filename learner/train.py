@@ -77,13 +77,13 @@ class Trainer:
         import torch
 
         from echorl.actor.backend import TorchBackend
-        from echorl.actor.model import build_default_model
+        from echorl.actor.model import default_model
         from echorl.learner.buffer import StalenessBuffer
         from echorl.learner.grpo import GRPOConfig, GRPOTrainer
         from echorl.tasks import load_task
 
         torch.manual_seed(cfg.seed)
-        model_dir = cfg.model or str(build_default_model(seed=cfg.seed))
+        model_dir = cfg.model or str(default_model())
         task = load_task(cfg.task, **cfg.task_options)
         backend = TorchBackend.from_pretrained(model_dir)
         gcfg = GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, temperature=cfg.temperature)

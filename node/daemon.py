@@ -89,10 +89,10 @@ def _load_backend(args: argparse.Namespace) -> tuple[Any, float]:
     import torch
 
     from echorl.actor.backend import TorchBackend
-    from echorl.actor.model import build_default_model
+    from echorl.actor.model import default_model
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    path = args.model or str(build_default_model(seed=args.seed))
+    path = args.model or str(default_model())
     device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     backend = TorchBackend.from_pretrained(path, device=device)
     return backend, backend.measure_tokens_per_second()
