@@ -38,16 +38,26 @@ class SamplingParams:
 class Sample:
     """One completion: generated token ids (EOS included when generated), the behaviour
     log-prob of each token, ``"stop"`` or ``"length"``, and the decoded text (EOS and stop
-    string excluded)."""
+    string excluded).
+
+    An episode of a multi-turn task (``actor/episodes.py``) is one sample too: ``token_ids`` is
+    the whole transcript after the prompt, model turns and environment observations
+    interleaved; ``mask`` marks the tokens the model produced (only those carry behaviour
+    log-probs, observations have 0.0, and only those enter the loss); ``reward`` is the node's
+    account of the episode's reward (the learner replays it and compares)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     text: str
+    mask: list[bool] | None = None
+    reward: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("token_ids and logprobs must have the same length")
+        if self.mask is not None and len(self.mask) != len(self.token_ids):
+            raise ValueError("mask and token_ids must have the same length")
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Lease:
     group_size: int
     params: SamplingParams
     min_version: int = 0
+    env: tuple[str, dict[str, Any]] | None = None  # episodic task: (spec, options); prompts carry env seeds
 
 
 @dataclass
@@ -96,6 +97,23 @@ def _sync_weights(backend: Any, weights_dir: Path, delay_s: float) -> None:
             continue  # deleted under us: try the next one
 
 
+def _rollouts(backend: Any, lease: Lease, envs: dict[str, Any], seed: int) -> list[list[Any]]:
+    """G samples per prompt: completions, or episodes when the lease names an environment."""
+    if lease.env is None:
+        return backend.generate([p.text for p in lease.prompts], lease.group_size, lease.params, seed=seed)
+    from echorl.tasks import load_task
+
+    from .episodes import run_episodes
+
+    spec, options = lease.env
+    key = repr((spec, sorted(options.items())))
+    if key not in envs:
+        envs[key] = load_task(spec, **options)
+    task = envs[key]
+    seeds = [int(p.meta["env_seed"]) for p in lease.prompts]
+    return run_episodes(backend, task, seeds, lease.group_size, lease.params, task.max_episode_tokens, seed)[1]
+
+
 def actor_main(
     index: int, model_dir: str, weights_dir: str, lease_q: Any, result_q: Any, stop: Any,
     delay_s: float, seed: int,
@@ -109,6 +127,7 @@ def actor_main(
 
     backend = TorchBackend.from_pretrained(model_dir)
     wdir = Path(weights_dir)
+    envs: dict[str, Any] = {}
     try:
         while not stop.is_set():
             try:
@@ -127,12 +146,13 @@ def actor_main(
             t1 = time.perf_counter()
             try:
                 texts = [p.text for p in lease.prompts]
-                out = backend.generate(texts, lease.group_size, lease.params, seed=seed * 1_000_003 + lease.lease_id)
+                out = _rollouts(backend, lease, envs, seed * 1_000_003 + lease.lease_id)
                 t2 = time.perf_counter()
                 groups = [
                     RolloutGroup(
                         prompt_id=p.prompt_id, prompt_text=p.text, prompt_token_ids=backend.encode(p.text),
                         samples=samples, behaviour_version=backend.version,
+                        rewards=None if lease.env is None else [float(x.reward or 0.0) for x in samples],
                         timings={"generate_s": (t2 - t1) / len(texts)},
                     )
                     for p, samples in zip(lease.prompts, out)

@@ -70,13 +70,37 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
             p.wait()
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the swarm like Ctrl-C: no orphaned learner or nodes
+class _Interrupts:
+    """SIGTERM and SIGINT stop the swarm like Ctrl-C (``KeyboardInterrupt``), except while a child
+    is being started: a signal then waits until the child is in the list that ``_stop`` ends, so
+    no learner or node is ever orphaned."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending = False
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.deferring:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def spawn_into(self, procs: list[subprocess.Popen], args: list[str], log: Path) -> subprocess.Popen:
+        self.deferring = True
+        try:
+            procs.append(_spawn(args, log))
+        finally:
+            self.deferring = False
+        if self.pending:
+            raise KeyboardInterrupt
+        return procs[-1]
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupts = _Interrupts()
+    signal.signal(signal.SIGTERM, interrupts.handle)
+    signal.signal(signal.SIGINT, interrupts.handle)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="echorl-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     metrics = Path(args.metrics_out).resolve()
@@ -90,18 +114,20 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = default_model()
     task = ["--task", args.task, *(a for opt in args.task_option for a in ("--task-option", opt))]
+    from echorl.tasks import BUILTIN
+
+    allow = [] if args.task in BUILTIN else ["--allow-env", args.task]  # a user environment runs on our own nodes
     addr_file = work / "learner.addr"
     addr_file.unlink(missing_ok=True)
     t0 = time.monotonic()
     procs: list[subprocess.Popen] = []
     try:
         cap = ["--upload-mbps", str(args.upload_mbps)] if args.upload_mbps else []
-        learner = _spawn(["learner", "--steps", str(args.steps), "--staleness", str(args.staleness), "--seed",
+        learner = interrupts.spawn_into(procs, ["learner", "--steps", str(args.steps), "--staleness", str(args.staleness), "--seed",
                           str(args.seed), "--model", str(model_dir), "--metrics-out", str(metrics),
                           "--addr-file", str(addr_file), "--full-every", str(args.full_every),
                           *(["--publish-every", str(args.publish_every)] if args.publish_every else []), *cap, *task],
                          work / "learner.log")
-        procs.append(learner)
         while not addr_file.exists():
             if learner.poll() is not None:
                 print((work / "learner.log").read_text()[-3000:], file=sys.stderr)
@@ -110,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
         addr = addr_file.read_text().strip()
         print(f"learner: {addr}\n  status: echorl status --bootstrap {addr}", flush=True)
         for i in range(args.nodes):
-            procs.append(_spawn(["node", "--bootstrap", addr, "--key", str(work / f"node{i}.key"), "--seed",
-                                 str(args.seed), "--model", str(model_dir), *cap], work / f"node{i}.log"))
+            interrupts.spawn_into(procs, ["node", "--bootstrap", addr, "--key", str(work / f"node{i}.key"), "--seed",
+                                          str(args.seed), "--model", str(model_dir), *cap, *allow], work / f"node{i}.log")
         last_step = -1
         while learner.poll() is None:
             time.sleep(1.0)

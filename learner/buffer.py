@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Callable, Protocol
 
 from echorl.actor.types import RolloutGroup
+from echorl.learner.replay import ReplayMismatch
 from echorl.tasks.base import Prompt
 
 
@@ -37,17 +38,21 @@ class PromptSource(Protocol):
 
 
 Scorer = Callable[[Prompt, str], float]
+GroupScorer = Callable[[Prompt, RolloutGroup], list[float]]
 
 
 class StalenessBuffer:
     """Accepts groups at most ``staleness`` versions old; optional ``scorer(prompt, text)``
-    recomputes every accepted group's rewards (the actor's rewards are only a hint)."""
+    recomputes every accepted group's rewards (the actor's rewards are only a hint).
+    ``group_scorer(prompt, group)`` replaces it for episodic tasks (``learner/replay.py``: it
+    replays the episodes and raises ``ReplayMismatch`` on a forged one)."""
 
-    def __init__(self, staleness: int, scorer: Scorer | None = None) -> None:
+    def __init__(self, staleness: int, scorer: Scorer | None = None, group_scorer: GroupScorer | None = None) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.staleness = int(staleness)
         self.scorer = scorer
+        self.group_scorer = group_scorer
         self.outstanding: dict[str, Prompt] = {}
         self.requeued: deque[Prompt] = deque()
         self._ready: deque[RolloutGroup] = deque()
@@ -102,9 +107,15 @@ class StalenessBuffer:
         out: list[list[float] | None] = []
         for group in groups:
             prompt = self.outstanding.get(group.prompt_id)
-            out.append(None if prompt is None or self.scorer is None
-                       else [float(self.scorer(prompt, s.text)) for s in group.samples])
+            out.append(None if prompt is None else self._rewards(prompt, group))
         return out
+
+    def _rewards(self, prompt: Prompt, group: RolloutGroup) -> list[float] | None:
+        if self.group_scorer is not None:
+            return [float(r) for r in self.group_scorer(prompt, group)]
+        if self.scorer is None:
+            return None
+        return [float(self.scorer(prompt, s.text)) for s in group.samples]
 
     def offer(self, group: RolloutGroup, current_version: int, rewards: list[float] | None = None) -> Verdict:
         """Accept or reject a returned group (see the module docstring); ``rewards`` from
@@ -125,11 +136,17 @@ class StalenessBuffer:
             self.requeued.append(prompt)
             self.rollouts_rejected_stale += 1
             return Verdict.REJECTED_STALE
+        if rewards is None or len(rewards) != len(group.samples):
+            try:
+                rewards = self._rewards(prompt, group)
+            except ReplayMismatch:
+                del self.outstanding[group.prompt_id]
+                self.requeued.append(prompt)
+                self.rollouts_rejected_invalid += 1
+                return Verdict.REJECTED_INVALID
         del self.outstanding[group.prompt_id]
-        if rewards is not None and len(rewards) == len(group.samples):
+        if rewards is not None:
             group.rewards = list(rewards)
-        elif self.scorer is not None:
-            group.rewards = [float(self.scorer(prompt, s.text)) for s in group.samples]
         self._prompts[group.prompt_id] = prompt
         self._ready.append(group)
         return Verdict.ACCEPTED

@@ -189,21 +189,23 @@ class GRPOTrainer:
         return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()
                 if not (tied and k == "lm_head.weight")}
 
-    def _batch(self, rows: list[tuple[list[int], list[int], list[float]]]) -> tuple["torch.Tensor", ...]:
+    def _batch(self, rows: list[tuple[list[int], list[int], list[float], list[bool] | None]]) -> tuple["torch.Tensor", ...]:
         """Right-padded input ids, attention mask, completion mask, behaviour log-probs
-        (completion positions aligned to the *predicting* position, i.e. shifted by one)."""
+        (completion positions aligned to the *predicting* position, i.e. shifted by one). A row's
+        model mask (episodes: False on environment observations) keeps those tokens out of the
+        completion mask, hence out of the loss and its normalisers."""
         import torch
 
-        width = max(len(p) + len(c) for p, c, _ in rows)
+        width = max(len(r[0]) + len(r[1]) for r in rows)
         n = len(rows)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         att = torch.zeros((n, width), dtype=torch.long)
         cmask = torch.zeros((n, width - 1))
         blogp = torch.zeros((n, width - 1))
-        for i, (p, c, lp) in enumerate(rows):
+        for i, (p, c, lp, m) in enumerate(rows):
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             att[i, : len(p) + len(c)] = 1
-            cmask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
+            cmask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1 if m is None else torch.tensor(m, dtype=torch.float32)
             blogp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp)
         dev = self.config.device
         return ids.to(dev), att.to(dev), cmask.to(dev), blogp.to(dev)
@@ -235,11 +237,13 @@ class GRPOTrainer:
                     0 <= t < vocab for t in (*g.prompt_token_ids, *s.token_ids)
                 ):
                     raise ValueError(f"group {g.prompt_id}: token ids out of range or log-probs misaligned")
-                rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs)))
+                if s.mask is not None and not any(s.mask):
+                    continue  # an episode with no model token has nothing to train
+                rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs), s.mask))
                 advs.append(adv)
         if not rows:
             raise ValueError("train_step needs at least one non-empty sample")
-        n_tokens = float(sum(len(c) for _, c, _ in rows))
+        n_tokens = float(sum(len(c) if m is None else sum(map(bool, m)) for _, c, _, m in rows))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"ratio_mean": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl": 0.0}

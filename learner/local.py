@@ -94,6 +94,7 @@ class _Loop:
         from echorl.actor.types import SamplingParams
         from echorl.learner.buffer import StalenessBuffer
         from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+        from echorl.tasks.env import env_options_of
 
         a = self.args
         torch.set_num_threads(1)
@@ -103,16 +104,21 @@ class _Loop:
                          loss_norm=a.loss_norm, temperature=a.temperature,
                          off_policy_correction=a.off_policy_correction)
         self.trainer = GRPOTrainer(self.model_dir, cfg)
-        self.buffer = StalenessBuffer(a.staleness, scorer=self.task.reward)
+        from transformers import AutoTokenizer
+
+        from echorl.learner.replay import group_scorer
+        from echorl.tasks import is_episodic
+
+        tok = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        replay = group_scorer(self.task, tok)  # episodic tasks: rewards come from replaying the episodes
+        self.buffer = StalenessBuffer(a.staleness, scorer=None if replay else self.task.reward, group_scorer=replay)
+        self.env = (a.task, env_options_of(self.task)) if is_episodic(self.task) else None
         self.kappa = a.publish_every or max(1, a.staleness - 1)
         self.B = a.prompts_per_step
         self.max_inflight = a.max_inflight or (self.B if a.staleness == 0 else 2 * self.B)
         self.params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
                                      max_new_tokens=int(getattr(self.task, "max_new_tokens", 32)),
                                      stop=list(getattr(self.task, "stop", []) or []))
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.eval_backend = TorchBackend(self.trainer.model, tok)
         self.eval_set = self.task.eval_prompts()
         self.eval_ids = [self.eval_backend.encode(p.text) for p in self.eval_set]
@@ -135,6 +141,12 @@ class _Loop:
 
     def evaluate(self) -> float:
         t0 = time.perf_counter()
+        if self.env is not None:
+            from echorl.actor.episodes import evaluate
+
+            score = evaluate(self.eval_backend, self.task, self.eval_set, self.params, self.args.seed + 7919)
+            self.eval_s += time.perf_counter() - t0
+            return score
         samples = self.eval_backend.sample_ids(self.eval_ids, self.params, seed=self.args.seed + 7919)
         score = sum(self.task.reward(p, s.text) for p, s in zip(self.eval_set, samples)) / len(samples)
         self.eval_s += time.perf_counter() - t0
@@ -193,7 +205,7 @@ class _Loop:
             prompts = self.buffer.next_prompts(self.task, n)
             self.lease_id += 1
             self.leases[self.lease_id] = (prompts, time.time() + self.lease_timeout)
-            self.lease_q.put(Lease(self.lease_id, prompts, self.args.group_size, self.params, min_version))
+            self.lease_q.put(Lease(self.lease_id, prompts, self.args.group_size, self.params, min_version, self.env))
 
     def collect(self, timeout: float) -> None:
         import queue

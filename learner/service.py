@@ -5,8 +5,9 @@ run id → signature by the stream's remote peer (``wrong_signer`` / ``bad_signa
 not seen (``replay``) → lease active and held by that peer (``replay`` once settled by a result,
 ``unknown_lease`` if expired/returned/never issued) → groups match the lease (``schema``) →
 staleness ``t − b ≤ S`` (``stale_version``; the lease is settled and its prompts re-queued) →
-behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``).
-Accepted groups go to the ``StalenessBuffer``, which recomputes rewards with the task verifier.
+behaviour log-probs spot check (``logprob_mismatch``; DESIGN §3, ``learner/spot_check.py``) →
+rewards by the task verifier, for episodes by replay (``env_mismatch``, ``learner/replay.py``,
+counted against the peer like a log-prob mismatch). Accepted groups go to the ``StalenessBuffer``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
 recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
@@ -43,6 +44,7 @@ import trio
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
@@ -50,6 +52,7 @@ from echorl.protocol.messages import (
     Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeasePrompt, LeaseRequest, LeaseReturn, Message,
     SamplingSpec, Status, StatusRequest, Submit, SubmitAccepted,
 )
+from echorl.tasks.env import is_episodic
 
 from echorl.net import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
@@ -159,7 +162,7 @@ class LearnerService:
         self.ban_after = 3  # mismatches before a peer is refused leases (0: never)
         self.mismatches: dict[str, int] = {}  # peer id -> spot-check mismatches (flags survive re-joins)
         self.counters.update({"spot_checks": 0, "spot_checks_skipped": 0, "rollouts_rejected_logprob": 0,
-                              "peers_flagged": 0, "peers_banned": 0})
+                              "rollouts_rejected_env": 0, "peers_flagged": 0, "peers_banned": 0})
         self.spot_check_seconds = 0.0
         self.spot_check_passed_max_abs_diff = 0.0  # largest max |Δ| of a passing check: headroom to the tolerance
         # cost-aware activation: the current decision (None: everyone active), the required Σμ
@@ -237,7 +240,8 @@ class LearnerService:
         timeout_s = pol.lease_seconds(n, peer.rollouts_per_s, float(peer.capability.tokens_per_s))
         rec = self.book.issue(ctx.peer_id, prompts, pol.group_size, min_version, time.monotonic(), timeout_s)
         return Lease(lease_id=rec.lease_id, run_id=self.run_id,
-                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text) for p in prompts],
+                     prompts=[LeasePrompt(prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p))
+                              for p in prompts],
                      group_size=pol.group_size, sampling=pol.sampling, min_version=min_version,
                      deadline_s=timeout_s)
 
@@ -270,7 +274,13 @@ class LearnerService:
                                 f"behaviour version {b} vs learner {self.version}, bound {self.policy.staleness}")
         if self.spot is not None and self.spot.should_check(ctx.peer_id):
             await self._spot_check(groups, b, rec, msg.nonce, ctx.peer_id)
-        rewards = await trio.to_thread.run_sync(self.buffer.score, groups)  # the verifier: off the event loop
+        try:  # the verifier (episodes: the replay), off the event loop
+            rewards = await trio.to_thread.run_sync(self.buffer.score, groups)
+        except ReplayMismatch as exc:
+            self.counters["rollouts_rejected_env"] += 1
+            self._count_against(ctx.peer_id, rec, msg.nonce, "env_mismatch")
+            log.warning("replay refused an episode of %s: %s", ctx.peer_id[:16], exc)
+            raise ProtocolError(ErrorCode.ENV_MISMATCH, f"episode differs from the learner's replay: {exc}"[:512]) from None
         # the spot check and the verifier ran in worker threads: the lease may have been settled
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
@@ -316,23 +326,29 @@ class LearnerService:
             self.spot_check_passed_max_abs_diff = max(self.spot_check_passed_max_abs_diff, res.max_abs_diff)
             return
         self.counters["rollouts_rejected_logprob"] += 1
+        n = self._count_against(peer_id, rec, nonce, "logprob_mismatch")
+        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
+                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
+                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
+                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+
+    def _count_against(self, peer_id: str, rec: LeaseRecord, nonce: bytes, how: str) -> int:
+        """A forged submission: settle it refused, flag the peer, ban at ``ban_after``; the count."""
         if self.book.active.get(rec.lease_id) is rec:  # not settled meanwhile
-            self._settle_refused(rec, nonce, "logprob_mismatch")
+            self._settle_refused(rec, nonce, how)
         n = self.mismatches.get(peer_id, 0) + 1
         self.mismatches[peer_id] = n
         if n == 1:
             self.counters["peers_flagged"] += 1
-        self.spot.flag(peer_id)
-        log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+        if self.spot is not None:
+            self.spot.flag(peer_id)
         if self.banned(peer_id) and n == self.ban_after:
             self.counters["peers_banned"] += 1
             for gone in self.book.expire_peer(peer_id):
                 self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d log-prob mismatches", peer_id[:16], n)
-        raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
-                            f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
-                            f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
+            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", peer_id[:16], n)
+        return n
 
     def banned(self, peer_id: str) -> bool:
         return self.ban_after > 0 and self.mismatches.get(peer_id, 0) >= self.ban_after
@@ -348,6 +364,8 @@ class LearnerService:
         if sorted(g.prompt_id for g in msg.groups) != sorted(by_id):
             raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
         stop = self.policy.sampling.stop
+        episodic = is_episodic(self.task)
+        limit = self.task.max_episode_tokens if episodic else self.policy.sampling.max_new_tokens
         out = []
         for g in msg.groups:
             if len(g.samples) != rec.group_size:
@@ -355,12 +373,16 @@ class LearnerService:
             prompt = by_id[g.prompt_id]
             samples = []
             for s in g.samples:
-                if len(s.token_ids) > self.policy.sampling.max_new_tokens or any(t >= self.vocab_size for t in s.token_ids):
+                if len(s.token_ids) > limit or any(t >= self.vocab_size for t in s.token_ids):
                     raise ProtocolError(ErrorCode.SCHEMA, "completion too long or token id out of vocabulary")
+                if (s.model_mask is not None) != episodic:
+                    raise ProtocolError(ErrorCode.SCHEMA, "an episode needs a model_mask, a completion has none")
                 text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                 cuts = [text.find(x) for x in stop if x in text]
-                text = text[: min(cuts)] if cuts else text
-                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text))
+                text = text[: min(cuts)] if cuts and not episodic else text
+                samples.append(ActorSample(list(s.token_ids), list(s.logprobs), s.finish_reason, text,
+                                           mask=None if s.model_mask is None else list(s.model_mask),
+                                           reward=float(s.reward_hint) if episodic else None))
             ids = list(self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
             out.append(ActorGroup(prompt.prompt_id, prompt.text, ids, samples, msg.behaviour_version,
                                   [s.reward_hint for s in g.samples], {"generate_s": msg.generate_seconds}))

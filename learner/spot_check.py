@@ -5,7 +5,8 @@ sample from that version (or forged the numbers the clipped ratio π_θ/π_b is 
 the learner then refuses the submission and flags the peer (``learner/service.py``).
 
 What is recomputed is exactly what the actor reports (``actor/backend.py``): for every
-completion token, ``log_softmax(logits / T)`` of the sampled token given the prompt and the
+completion token (of an episode: every token its mask marks as the model's, observations are
+not re-scored), ``log_softmax(logits / T)`` of the sampled token given the prompt and the
 completion before it, with the lease's temperature T (T = 0 is treated as 1, as the actor
 does). The model is a *scratch copy*, separate from the trainer's model: it is built once
 (from a factory, or a deep copy of a template taken at construction, before training starts),
@@ -140,7 +141,7 @@ class SpotChecker:
     def _compare(self, groups: list["RolloutGroup"]) -> tuple[float, float, int]:
         import torch
 
-        rows = [(list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs))
+        rows = [(list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs), s.mask)
                 for g in groups for s in g.samples if s.token_ids and g.prompt_token_ids]
         model = self._backend.model
         pad = self._backend.pad_id
@@ -149,15 +150,15 @@ class SpotChecker:
         with torch.inference_mode():
             for start in range(0, len(rows), self.micro_batch):
                 chunk = rows[start : start + self.micro_batch]
-                width = max(len(p) + len(c) for p, c, _ in chunk)
+                width = max(len(r[0]) + len(r[1]) for r in chunk)
                 ids = torch.full((len(chunk), width), pad, dtype=torch.long)
                 att = torch.zeros((len(chunk), width), dtype=torch.long)
                 cmask = torch.zeros((len(chunk), width - 1), dtype=torch.bool)
                 claimed = torch.zeros((len(chunk), width - 1))
-                for i, (p, c, lp) in enumerate(chunk):
+                for i, (p, c, lp, m) in enumerate(chunk):  # m: an episode's model mask (observations are not the model's)
                     ids[i, : len(p) + len(c)] = torch.tensor(p + c)
                     att[i, : len(p) + len(c)] = 1
-                    cmask[i, len(p) - 1 : len(p) - 1 + len(c)] = True
+                    cmask[i, len(p) - 1 : len(p) - 1 + len(c)] = True if m is None else torch.tensor(m, dtype=torch.bool)
                     claimed[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
                 dev = self._backend.device
                 logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits[:, :-1].float()

@@ -88,7 +88,10 @@ class Trainer:
         backend = TorchBackend.from_pretrained(model_dir)
         gcfg = GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, temperature=cfg.temperature)
         grpo = GRPOTrainer(backend.model, gcfg)
-        buffer = StalenessBuffer(cfg.staleness, scorer=task.reward)
+        from echorl.learner.replay import group_scorer
+
+        replay = group_scorer(task, backend.tokenizer)  # episodic tasks: rewards come from replaying the episodes
+        buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)
         vocab = int(backend.model.config.vocab_size)
         return cls(cfg, task, backend.tokenizer, grpo, buffer, backend, vocab)
 
@@ -150,6 +153,10 @@ class Trainer:
         spec = self.sampling_spec()
         params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p,
                                 max_new_tokens=spec.max_new_tokens, stop=list(spec.stop))
+        if getattr(self.task, "episodic", False):
+            from echorl.actor.episodes import evaluate
+
+            return evaluate(self.backend, self.task, prompts, params, seed=1234)
         groups = self.backend.generate([p.text for p in prompts], 1, params, seed=1234)
         return sum(self.task.reward(p, g[0].text) for p, g in zip(prompts, groups)) / max(1, len(prompts))
 
@@ -233,6 +240,7 @@ class Trainer:
             "rollouts_rejected_invalid": service.counters["rollouts_rejected_invalid"],
             "submissions_rejected_replay": service.counters["submissions_rejected_replay"],
             "rollouts_rejected_logprob": service.counters["rollouts_rejected_logprob"],
+            "rollouts_rejected_env": service.counters["rollouts_rejected_env"],
             "spot_checks": service.counters["spot_checks"],
             "spot_checks_skipped": service.counters["spot_checks_skipped"],
             "spot_check_seconds": service.spot_check_seconds,

@@ -21,7 +21,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them (default: state-<key name>-<run id> next to the --key file)")
     p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
                    help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
+    p.add_argument("--allow-env", dest="allow_env", action="append", default=[], metavar="MODULE:CLASS",
+                   help="a user environment this node may run for multi-turn leases (repeatable; "
+                        "the built-in ones, e.g. poker and guess, are always allowed)")
 
 
 @dataclass
@@ -58,6 +61,8 @@ class NodeState:
     leases_done: int = 0
     current_lease: str = ""
     weights: Any = None  # NodeWeights
+    allow_env: tuple[str, ...] = ()  # user environments (module:Class) this node agreed to run
+    envs: dict[str, Any] = field(default_factory=dict)  # built environments by (spec, options)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +116,7 @@ async def main(args: argparse.Namespace) -> None:
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, args)
     log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
-    state = NodeState(run_id=args.run_id)
+    state = NodeState(run_id=args.run_id, allow_env=tuple(args.allow_env or ()))
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
         cap = _capability(args, backend, tps, host.addrs)
         state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps),
@@ -215,7 +220,14 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
             continue
         idle = 0.05
         state.current_lease = lease.lease_id
-        await _generate_and_submit(host, state, lease)
+        try:
+            await _generate_and_submit(host, state, lease)
+        except EnvironmentRefused as exc:  # cannot run this run's episodes: give the work back
+            log.error("%s; returning the lease", exc)
+            await _return_lease(host, state)
+            state.current_lease = ""
+            await trio.sleep(10.0)
+            continue
         state.current_lease = ""
         state.leases_done += 1
 
@@ -245,6 +257,29 @@ async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) 
     return None, max(reply.retry_after_s, 0.01)
 
 
+class EnvironmentRefused(Exception):
+    """A lease names an environment this node does not run (not built in, not ``--allow-env``)
+    or cannot build with the given options."""
+
+
+def _environment(state: NodeState, spec: Any) -> Any:
+    """The episodic task of a lease's ``EpisodeSpec`` (built once per spec and options)."""
+    from echorl.tasks import BUILTIN, TaskError, is_episodic, load_task
+
+    key = repr((spec.env, sorted(spec.options.items())))
+    if key not in state.envs:
+        if spec.env not in BUILTIN and spec.env not in state.allow_env:
+            raise EnvironmentRefused(f"environment {spec.env!r} is neither built in nor allowed (--allow-env)")
+        try:
+            task = load_task(spec.env, **{**spec.options, "max_turns": spec.max_turns})
+        except TaskError as exc:
+            raise EnvironmentRefused(f"environment {spec.env!r}: {exc}") from None
+        if not is_episodic(task):
+            raise EnvironmentRefused(f"{spec.env!r} is not an environment")
+        state.envs[key] = task
+    return state.envs[key]
+
+
 async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     import secrets
 
@@ -257,13 +292,22 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))
     t0 = time.perf_counter()
-    version, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
+    episode = lease.prompts[0].episode
+    if episode is None:
+        version, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
+    else:
+        from echorl.actor.episodes import run_episodes
+
+        task = _environment(state, episode)
+        seeds = [p.episode.seed if p.episode is not None else episode.seed for p in lease.prompts]
+        version, (_, groups) = await state.weights.run(run_episodes, state.weights.backend, task, seeds,
+                                                       lease.group_size, params, episode.max_tokens)
     seconds = time.perf_counter() - t0
     wire_groups = [
         RolloutGroup(prompt_id=p.prompt_id, samples=[
             Sample(token_ids=list(s.token_ids), logprobs=[min(0.0, float(x)) for x in s.logprobs],
                    finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "eos") else "stop",
-                   reward_hint=0.0) for s in g])
+                   reward_hint=float(s.reward or 0.0), model_mask=s.mask) for s in g])
         for p, g in zip(lease.prompts, groups)
     ]
     submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,

@@ -153,10 +153,15 @@ class NodeWeights:
     async def generate(self, *args: Any) -> tuple[int, Any]:
         """``backend.generate(*args)`` in a worker thread with no version change meanwhile;
         returns (behaviour version, groups)."""
+        return await self.run(self.backend.generate, *args)
+
+    async def run(self, fn: Any, *args: Any) -> tuple[int, Any]:
+        """``fn(*args)`` (sampling with ``self.backend``: completions or episodes) in a worker
+        thread with no version change meanwhile; returns (behaviour version, its result)."""
         async with self.lock:
             version = self.version
-            groups = await trio.to_thread.run_sync(self.backend.generate, *args)
-        return version, groups
+            result = await trio.to_thread.run_sync(fn, *args)
+        return version, result
 
     async def ensure(self, target: int = 0) -> None:
         """Reach version ≥ ``target``: wait briefly for the broadcast in flight, then catch up

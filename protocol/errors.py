@@ -26,6 +26,7 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "unavailable"  # temporarily cannot serve (e.g. no work); retry later
     INTERNAL = "internal"  # the handler failed; the request may be retried
     LOGPROB_MISMATCH = "logprob_mismatch"  # behaviour log-probs disagree with the claimed version's snapshot
+    ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
 
 
 class ProtocolError(Exception):

@@ -19,8 +19,10 @@ MAX_LIST_LEN = 1 << 20
 MAX_PROMPTS_PER_LEASE = 256
 MAX_GROUP_SIZE = 64
 MAX_ROLLOUTS_PER_SUBMIT = MAX_PROMPTS_PER_LEASE * MAX_GROUP_SIZE
-#: Tokens of one completion.
+#: Tokens of one completion (of an episode: its whole transcript after the prompt).
 MAX_COMPLETION_TOKENS = 32 * KiB
+#: Model turns of one episode.
+MAX_EPISODE_TURNS = 256
 #: Tensors in one manifest; dims of one tensor.
 MAX_TENSORS = 1 << 16
 MAX_TENSOR_DIMS = 8

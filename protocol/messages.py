@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_serializer, model_validator
 
 from . import limits
 
@@ -33,6 +33,22 @@ ScalarMap = Annotated[dict[Name, Scalar], Field(max_length=128)]
 
 class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class OptionalFieldsModel(WireModel):
+    """A model with fields added after the first protocol version: such a field is left out of
+    the encoding (and of the signed canonical bytes) while it is None, so a message that does
+    not use it is byte for byte what a peer that predates it sends and signs."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer protocol
+        out = handler(self)
+        for name in self.OPTIONAL:
+            if out.get(name, 0) is None:
+                del out[name]
+        return out
 
 
 class Message(WireModel):
@@ -83,9 +99,23 @@ class SamplingSpec(WireModel):
     stop: Annotated[list[Text], Field(max_length=16)]
 
 
-class LeasePrompt(WireModel):
+class EpisodeSpec(WireModel):
+    """A multi-turn episode to run (``tasks/env.py``): the environment (a built-in name or
+    ``module:Class``; a node runs only built-ins and those it allows) with its options, the
+    environment seed the learner chose, the turn limit and the transcript's token budget."""
+
+    env: Name
+    options: ScalarMap
+    seed: Annotated[int, Field(ge=0, lt=2**63)]
+    max_turns: Annotated[int, Field(ge=1, le=limits.MAX_EPISODE_TURNS)]
+    max_tokens: Annotated[int, Field(ge=1, le=limits.MAX_COMPLETION_TOKENS)]
+
+
+class LeasePrompt(OptionalFieldsModel):
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("episode",)
     prompt_id: Name
-    text: Text
+    text: Text  # an episode's first observation
+    episode: EpisodeSpec | None = None  # set: run G episodes of this seed instead of G completions
 
 
 class LeaseRequest(Message):
@@ -128,16 +158,25 @@ class LeaseReturn(Message):
     lease_ids: Annotated[list[Name], Field(max_length=64)]
 
 
-class Sample(WireModel):
+class Sample(OptionalFieldsModel):
+    """A completion, or (``model_mask`` set) an episode's transcript: model turns and
+    environment observations interleaved, ``model_mask`` True on the model's tokens (observation
+    tokens carry log-prob 0.0). The learner recomputes the reward; for an episode it replays it,
+    and a ``reward_hint`` that differs from the replay is refused as ``env_mismatch``."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("model_mask",)
     token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_COMPLETION_TOKENS)]
     logprobs: Annotated[list[LogProb], Field(max_length=limits.MAX_COMPLETION_TOKENS)]
     finish_reason: Literal["stop", "length", "eos"]
     reward_hint: Finite  # the actor's own reward: for logging only, the learner recomputes
+    model_mask: Annotated[list[bool], Field(max_length=limits.MAX_COMPLETION_TOKENS)] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> "Sample":
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("token_ids and logprobs differ in length")
+        if self.model_mask is not None and len(self.model_mask) != len(self.token_ids):
+            raise ValueError("model_mask and token_ids differ in length")
         return self
 
 

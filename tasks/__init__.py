@@ -5,9 +5,12 @@
 '49+97='
 
 Built in: ``addition`` (demo default), ``math`` (JSONL word problems, final-answer checking),
-``reasoning-gym`` (optional extra ``tasks``; ``reasoning_gym:NAME`` picks a generator). Any class
-with the :class:`Task` attributes can be named as ``package.module:ClassName`` (modules in the
-current working directory are found too); options are passed to its constructor.
+``reasoning-gym`` (optional extra ``tasks``; ``reasoning_gym:NAME`` picks a generator), and the
+multi-turn environments ``poker`` (Kuhn poker against a fixed opponent) and ``guess`` (number
+guessing with higher/lower feedback). Any class with the :class:`Task` attributes can be named as
+``package.module:ClassName`` (modules in the current working directory are found too); options
+are passed to its constructor. A subclass of :class:`Environment` named that way becomes an
+episodic task (:class:`EnvTask`, ``tasks/env.py``).
 
 A user's verifier is untrusted code: :func:`load_task` wraps ``task.reward`` in a
 :class:`RewardGuard`, so a verifier that raises or returns a non-number scores that sample 0,
@@ -28,9 +31,12 @@ import threading
 from typing import Any, Callable
 
 from .base import EnvStep, Prompt, Task, TaskError
+from .env import Environment, EnvTask, is_episodic
 
 BUILTIN: dict[str, str] = {
     "addition": "echorl.tasks.addition:AdditionTask",
+    "poker": "echorl.tasks.poker:KuhnPoker",
+    "guess": "echorl.tasks.guess:GuessNumber",
     "math": "echorl.tasks.math_jsonl:MathJSONLTask",
     "reasoning-gym": "echorl.tasks.reasoning_gym_task:ReasoningGymTask",
 }
@@ -109,6 +115,8 @@ def load_task(spec: str, **options: Any) -> Task:
             options = {**options, "dataset": spec[len(prefix):]}
             spec = "reasoning-gym"
     cls = _resolve(spec)
+    if isinstance(cls, type) and issubclass(cls, Environment):
+        return _guarded(EnvTask(cls, spec, **options), spec)
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -129,6 +137,10 @@ def load_task(spec: str, **options: Any) -> Task:
         raise TaskError(f"task {spec!r}: {cls.__name__} lacks {missing}")
     if not hasattr(task, "cursor"):
         raise TaskError(f"task {spec!r}: {cls.__name__} has no integer 'cursor'")
+    return _guarded(task, spec)
+
+
+def _guarded(task: Any, spec: str) -> Any:
     if not isinstance(task.reward, RewardGuard):
         task.reward = RewardGuard(str(getattr(task, "name", spec)), task.reward)
     return task
@@ -156,5 +168,5 @@ def parse_task_options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["BUILTIN", "EnvStep", "Prompt", "RewardGuard", "Task", "TaskError", "load_task", "parse_task_options",
-           "reward_errors"]
+__all__ = ["BUILTIN", "EnvStep", "EnvTask", "Environment", "Prompt", "RewardGuard", "Task", "TaskError", "is_episodic",
+           "load_task", "parse_task_options", "reward_errors"]
