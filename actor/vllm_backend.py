@@ -1,6 +1,7 @@
 """vLLM inference backend behind the :class:`~echorl.actor.backend.InferenceBackend` interface.
 
-UNTESTED: vLLM is not installed on the development machine (CPU only); this module is imported
+Chosen with ``echorl node --engine vllm`` (``node/daemon.py`` checks that vLLM is installed and a CUDA
+device is present first). UNTESTED: vLLM is not installed on the development machine (CPU only); this module is imported
 only when a user asks for it, and it fails with a clear message when vLLM is missing. What it
 relies on and what may differ across vLLM versions:
 

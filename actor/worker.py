@@ -116,16 +116,17 @@ def _rollouts(backend: Any, lease: Lease, envs: dict[str, Any], seed: int) -> li
 
 def actor_main(
     index: int, model_dir: str, weights_dir: str, lease_q: Any, result_q: Any, stop: Any,
-    delay_s: float, seed: int,
+    delay_s: float, seed: int, device: str = "cpu", dtype: str | None = None,
 ) -> None:
-    """Process entry point: serve leases until ``stop`` is set or a ``None`` lease arrives."""
+    """Process entry point: serve leases until ``stop`` is set or a ``None`` lease arrives.
+    ``device``/``dtype`` are already resolved (``actor/device.py``)."""
     import torch
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .backend import TorchBackend
 
-    backend = TorchBackend.from_pretrained(model_dir)
+    backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)
     wdir = Path(weights_dir)
     envs: dict[str, Any] = {}
     try:

@@ -17,25 +17,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from echorl import config
+from echorl.config import ModelFields, UploadMbps
+from echorl.learner.config import FullEvery, PublishEvery, Staleness, Steps, TaskFields
+
+
+class DemoConfig(ModelFields, TaskFields):
+    """``echorl demo``: the settings of the swarm; the learner and every node get the model, seed,
+    device, dtype, task and upload cap from here."""
+
+    nodes: int = Field(3, ge=0, le=64)
+    """node daemons to start (separate OS processes)"""
+    steps: Steps = 300
+    staleness: Staleness = 4
+    metrics_out: str = Field("runs/demo-metrics.jsonl", min_length=1)
+    """JSON line per learner step"""
+    workdir: str = ""
+    """keys, logs and the address file (default: a temp dir)"""
+    publish_every: PublishEvery = 0
+    full_every: FullEvery = 10
+    upload_mbps: UploadMbps = 0.0
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=3, help="node daemons to start (separate OS processes)")
-    p.add_argument("--steps", type=int, default=300, help="learner steps (one optimizer step = one policy version)")
-    p.add_argument("--staleness", type=int, default=4, help="staleness bound S: a rollout of version b is used at step t iff t - b <= S")
-    p.add_argument("--metrics-out", dest="metrics_out", default="runs/demo-metrics.jsonl", help="JSON line per learner step")
-    p.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling (the built-in model is the same for every seed)")
-    p.add_argument("--workdir", default="", help="keys, logs and the address file (default: a temp dir)")
-    p.add_argument("--publish-every", dest="publish_every", type=int, default=0,
-                   help="publication period κ (default max(1, S-1))")
-    p.add_argument("--full-every", dest="full_every", type=int, default=10,
-                   help="full snapshot every K publications, deltas between (default 10)")
-    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
-                   help="upload cap of every process in Mbit/s (default: none)")
-    p.add_argument("--model", default="", help="local Hugging Face model directory for the learner and every node "
-                                                 "(default: the built-in tiny model)")
-    p.add_argument("--task", default="addition", help="built-in task name or module:Class")
-    p.add_argument("--task-option", dest="task_option", action="append", default=[], metavar="KEY=VALUE",
-                   help="task constructor option (repeatable)")
+    config.add_arguments(p, DemoConfig)
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -96,7 +103,15 @@ class _Interrupts:
         return procs[-1]
 
 
-def run(args: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace) -> int:
+    args = config.configured(DemoConfig, ns, "demo")
+    if isinstance(args, int):
+        return args
+    try:
+        args.check_model()
+    except ValueError as exc:
+        config.fail("demo", exc)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     interrupts = _Interrupts()
     signal.signal(signal.SIGTERM, interrupts.handle)
@@ -106,14 +121,15 @@ def run(args: argparse.Namespace) -> int:
     metrics = Path(args.metrics_out).resolve()
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if args.model:
-        model_dir = Path(args.model).resolve()
+        model_dir = Path(args.model).expanduser().resolve()
         print(f"echorl demo: model {model_dir}; logs in {work}", flush=True)
     else:
         print(f"echorl demo: built-in tiny model; logs in {work}", flush=True)
         from echorl.actor.model import default_model
 
         model_dir = default_model()
-    task = ["--task", args.task, *(a for opt in args.task_option for a in ("--task-option", opt))]
+    task = ["--task", args.task, *(a for k, v in args.task_options.items() for a in ("--task-option", f"{k}={v}")),
+            "--device", args.device, "--dtype", args.dtype]
     from echorl.tasks import BUILTIN
 
     allow = [] if args.task in BUILTIN else ["--allow-env", args.task]  # a user environment runs on our own nodes
@@ -137,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"learner: {addr}\n  status: echorl status --bootstrap {addr}", flush=True)
         for i in range(args.nodes):
             interrupts.spawn_into(procs, ["node", "--bootstrap", addr, "--key", str(work / f"node{i}.key"), "--seed",
-                                          str(args.seed), "--model", str(model_dir), *cap, *allow], work / f"node{i}.log")
+                                          str(args.seed), "--model", str(model_dir), "--device", args.device,
+                                          "--dtype", args.dtype, *cap, *allow], work / f"node{i}.log")
         last_step = -1
         while learner.poll() is None:
             time.sleep(1.0)
@@ -161,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     return _summary(metrics, learner.returncode, time.monotonic() - t0, args)
 
 
-def _summary(metrics: Path, rc: int | None, seconds: float, args: argparse.Namespace) -> int:
+def _summary(metrics: Path, rc: int | None, seconds: float, args: DemoConfig) -> int:
     rows = _rows(metrics)
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     steps = [r for r in rows if r.get("step", 0) > 0]

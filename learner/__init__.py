@@ -6,7 +6,8 @@ if t − b ≤ S, scores it off the event loop), ``checkpoint.py`` (atomic check
 optimizer, version, RNG, task cursor, pending prompts), ``local.py`` (``echorl train-local``:
 the same GRPO with actor worker processes and no network).
 
-The learner peer (``echorl learner``): ``peer.py`` (``LearnerConfig``, startup wiring),
+The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
+typed settings), ``peer.py`` (startup wiring),
 ``service.py`` (``LearnerService``: join, lease, submit, return and status handlers, where
 untrusted input is checked), ``leases.py`` (``LeaseBook``), ``activation.py`` (cost-aware choice
 of active nodes), ``spot_check.py`` (``SpotChecker``: re-scores submitted log-probs),

@@ -70,6 +70,8 @@ class GRPOConfig:
     """Sequences per forward/backward pass (gradients accumulate over micro-batches)."""
     device: str = "cpu"
     """Torch device of the learner."""
+    dtype: str = "float32"
+    """Torch dtype of the policy's weights (``actor/device.py`` picks bfloat16 on CUDA by default)."""
 
     def __post_init__(self) -> None:
         if self.loss_norm not in ("token", "sequence"):
@@ -165,7 +167,7 @@ class GRPOTrainer:
 
             hf_logging.disable_progress_bar()
             model = AutoModelForCausalLM.from_pretrained(Path(model), local_files_only=True)
-        self.model = model.to(self.config.device)
+        self.model = model.to(device=self.config.device, dtype=getattr(torch, self.config.dtype))
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.config.lr, betas=self.config.betas,

@@ -21,67 +21,40 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echorl import config
+from echorl.learner.config import TrainLocalConfig
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="addition", help="built-in task name or module:Class")
-    p.add_argument("--task-option", action="append", metavar="KEY=VALUE", help="task constructor option (repeatable)")
-    p.add_argument("--model", default=None, help="local HF model directory (default: build/reuse the tiny default model)")
-    p.add_argument("--steps", type=int, default=400, help="train until this many optimizer steps (versions)")
-    p.add_argument("--staleness", type=int, default=0, help="S: use a rollout of version b at step t iff t-b <= S")
-    p.add_argument("--publish-every", type=int, default=None, help="κ: publish weights every κ steps (default max(1, S-1))")
-    p.add_argument("--actors", type=int, default=3, help="actor worker processes")
-    p.add_argument("--actor-delay", type=float, default=0.2, help="seconds before a published version is visible to actors")
-    p.add_argument("--group-size", type=int, default=8, help="G samples per prompt")
-    p.add_argument("--prompts-per-step", type=int, default=16, help="accepted groups per optimizer step")
-    p.add_argument("--lease-prompts", type=int, default=4, help="prompts per lease")
-    p.add_argument("--max-inflight", type=int, default=None, help="prompts leased at once (default B if S=0 else 2B)")
-    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (0 leaves the weights untouched)")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
-    p.add_argument("--no-off-policy-correction", dest="off_policy_correction", action="store_false",
-                   help="ablation: ratio against the current policy, no clip/truncation against the behaviour policy")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model")
-    p.add_argument("--loss-norm", choices=["token", "sequence"], default="token", help="average the loss over tokens or over sequences")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0, help="seed of prompt order and sampling (the built-in model is the same for every seed)")
-    p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period in steps (and at the end)")
-    p.add_argument("--metrics-out", default=None, help="JSONL file, one line per step")
-    p.add_argument("--checkpoint-dir", default=None, help="where to write checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--work-dir", default=None, help="scratch directory for published weights (default: a temp dir)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    config.add_arguments(p, TrainLocalConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from echorl.tasks import TaskError, load_task, parse_task_options
+    cfg = config.configured(TrainLocalConfig, args, "train-local")
+    if isinstance(cfg, int):
+        return cfg
+    from echorl.tasks import load_task
 
-    if args.steps < 0 or args.staleness < 0 or args.actors < 1 or args.group_size < 2 or args.prompts_per_step < 1:
-        print("echorl train-local: need --steps >= 0, --staleness >= 0, --actors >= 1, --group-size >= 2, "
-              "--prompts-per-step >= 1", file=sys.stderr)
-        return 2
-    if args.resume and not args.checkpoint_dir:
-        print("echorl train-local: --resume needs --checkpoint-dir", file=sys.stderr)
-        return 2
     try:
-        options = parse_task_options(args.task_option)
-        if args.task == "addition":
-            options.setdefault("seed", args.seed)
-        task = load_task(args.task, **options)
-    except TaskError as exc:
-        print(f"echorl train-local: {exc}", file=sys.stderr)
+        if cfg.resume and not cfg.checkpoint_dir:
+            raise config.ConfigError("--resume needs --checkpoint-dir")
+        if cfg.task == "addition":
+            cfg.task_options.setdefault("seed", cfg.seed)
+        task = load_task(cfg.task, **cfg.task_options)  # TaskError is a ValueError
+        cfg.check_model()
+        device = cfg.pin_device()
+    except ValueError as exc:
+        config.fail("train-local", exc)
         return 2
-    if args.model and not (Path(args.model) / "config.json").is_file():
-        print(f"echorl train-local: --model {args.model} is not a HF model directory (no config.json)", file=sys.stderr)
-        return 2
-    return _Loop(args, task).run()
+    print(f"echorl train-local: learner and actors on {device}", file=sys.stderr, flush=True)
+    return _Loop(cfg, task).run()
 
 
 class _Loop:
     """State of one local training run (kept in one object to keep ``run`` readable)."""
 
-    def __init__(self, args: argparse.Namespace, task: Any) -> None:
+    def __init__(self, args: TrainLocalConfig, task: Any) -> None:
         self.args, self.task = args, task
 
     def setup(self) -> None:
@@ -101,7 +74,7 @@ class _Loop:
         torch.manual_seed(a.seed)
         self.model_dir = Path(a.model) if a.model else default_model()
         cfg = GRPOConfig(lr=a.lr, clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
-                         loss_norm=a.loss_norm, temperature=a.temperature,
+                         loss_norm=a.loss_norm, temperature=a.temperature, device=a.device, dtype=a.dtype,
                          off_policy_correction=a.off_policy_correction)
         self.trainer = GRPOTrainer(self.model_dir, cfg)
         from transformers import AutoTokenizer
@@ -169,7 +142,8 @@ class _Loop:
         self.procs = [
             ctx.Process(target=actor_main, daemon=True, name=f"echorl-actor-{i}",
                         args=(i, str(self.model_dir), str(self.weights_dir), self.lease_q, self.result_q,
-                              self.stop, self.args.actor_delay, self.args.seed * 100 + i))
+                              self.stop, self.args.actor_delay, self.args.seed * 100 + i, self.args.device,
+                              self.args.dtype))
             for i in range(self.args.actors)
         ]
         for p in self.procs:

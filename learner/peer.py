@@ -26,145 +26,49 @@ snapshot. Restart it on the same ``--listen`` address so running nodes find it a
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from echorl import config
+from echorl.learner.config import LearnerConfig
+
 log = logging.getLogger("echorl.node.learner")
 
 
-@dataclass
-class LearnerConfig:
-    run_id: str = "echorl-demo"
-    task: str = "addition"
-    task_options: dict[str, Any] = field(default_factory=dict)  # the task's constructor options
-    model: str = ""  # HF directory; "" builds/uses the default tiny model for ``seed``
-    seed: int = 0
-    steps: int = 0  # 0: train until stopped
-    staleness: int = 4
-    group_size: int = 8
-    prompts_per_step: int = 16
-    prompts_per_lease: int = 8
-    lr: float = 5e-4
-    clip: float = 0.2
-    temperature: float = 1.0
-    eval_every: int = 10
-    eval_prompts: int = 1024
-    lease_timeout_s: float = 30.0
-    liveness_after_s: float = 3.0
-    listen: str = "/ip4/127.0.0.1/tcp/0"
-    key: str = ""
-    addr_file: str = ""
-    metrics_out: str = ""
-    dht: bool = True
-    publish_every: int = 0  # κ; 0: max(1, S−1) (DESIGN §7)
-    full_every: int = 10  # a full snapshot every this many publications, deltas between
-    fanout: int = 4
-    chunk_kib: int = 256
-    upload_mbps: float = 0.0  # this process's upload cap (broadcast + fallback fetch); 0: none
-    broadcast_timeout_s: float = 120.0
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0  # steps; 0: only at the end and on SIGTERM
-    resume: bool = False
-    # DESIGN §3 spot checks (learner/spot_check.py): the fraction of submissions whose behaviour
-    # log-probs are recomputed with the claimed version's snapshot (every one of a flagged peer);
-    # a submission fails if mean |Δ| > tolerance_mean or max |Δ| > tolerance_max. The defaults
-    # fit float32 CPU actors (they agree to ~1e-5); bf16/fp16 GPU actors need looser values.
-    spot_check_fraction: float = 0.1
-    spot_check_tolerance_mean: float = 0.02
-    spot_check_tolerance_max: float = 0.5
-    spot_check_ban_after: int = 3  # mismatches before a peer is refused leases (0: never)
-    # DESIGN §7 cost-aware activation (learner/activation.py): "all" leases work to every node;
-    # "cost" keeps the cheapest set (price per unit of measured throughput) that meets the
-    # required throughput × (1 + margin + observed loss rate) active and parks the rest as standby
-    activation: str = "all"
-    activation_margin: float = 0.25
-
-    @classmethod
-    def load(cls, path: str | None, overrides: dict[str, Any]) -> "LearnerConfig":
-        data: dict[str, Any] = json.loads(Path(path).read_text()) if path else {}
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown learner config keys: {sorted(unknown)}")
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="JSON file with LearnerConfig fields")
-    p.add_argument("--listen", help="multiaddr to listen on (default /ip4/127.0.0.1/tcp/0)")
-    p.add_argument("--key", help="key file (created if missing; default: a fresh key per run)")
-    p.add_argument("--steps", type=int, help="stop after this many steps (0: run until stopped)")
-    p.add_argument("--staleness", type=int, help="staleness bound S")
-    p.add_argument("--metrics-out", dest="metrics_out", help="JSON-lines metrics file")
-    p.add_argument("--addr-file", dest="addr_file", help="write the bootstrap multiaddr here")
-    p.add_argument("--seed", type=int, help="seed of prompts and sampling (the built-in model is the same for every seed)")
-    p.add_argument("--model", help="Hugging Face model directory (default: the tiny demo model)")
-    p.add_argument("--task", help="built-in task name or module:Class (default: addition)")
-    p.add_argument("--task-option", dest="task_option", action="append", metavar="KEY=VALUE",
-                   help="task constructor option (repeatable; replaces the config file's task_options)")
-    p.add_argument("--lease-timeout", dest="lease_timeout_s", type=float, help="seconds before an unanswered lease expires and its prompts are re-queued; "
-                        "a slow node's leases get 4x its expected time (at most 20x this)")
-    p.add_argument("--eval-every", dest="eval_every", type=int, help="held-out evaluation period in steps")
-    p.add_argument("--no-dht", dest="dht", action="store_false", default=None, help="do not run the Kademlia DHT (nodes must bootstrap from the learner itself)")
-    p.add_argument("--run-id", dest="run_id", help="identity of the run (kept across --resume)")
-    p.add_argument("--publish-every", dest="publish_every", type=int, help="publication period κ (default max(1, S-1))")
-    p.add_argument("--full-every", dest="full_every", type=int, help="full snapshot every K publications (default 10)")
-    p.add_argument("--fanout", type=int, help="broadcast fanout / stripes (default 4)")
-    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, help="upload cap in Mbit/s (default: none)")
-    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="where to write checkpoints")
-    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int,
-                   help="checkpoint period in steps (0: only at the end and on SIGTERM)")
-    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint")
-    p.add_argument("--spot-check-fraction", dest="spot_check_fraction", type=float,
-                   help="fraction of submissions whose behaviour log-probs are recomputed with the claimed "
-                        "version's snapshot; a mismatch refuses the submission and flags the peer, whose "
-                        "submissions are then all checked (0: off; default 0.1)")
-    p.add_argument("--activation", choices=("all", "cost"),
-                   help="which nodes get leases: 'all' (default) every joined node; 'cost' only the cheapest set "
-                        "(ascending price per unit of measured throughput) that meets the required throughput with "
-                        "a margin (activation_margin, default 0.25, plus the observed node-loss rate); the rest are "
-                        "parked as standby (deferred, still receiving broadcasts)")
+    config.add_arguments(p, LearnerConfig)
 
 
-def _check_task_and_model(cfg: LearnerConfig, task_option: list[str] | None) -> None:
-    """Resolve the task options (``--task-option`` replaces the file's; the addition task's seed
-    follows ``--seed``) and build the task once, so a bad task or model is a clear error now."""
-    from echorl.tasks import load_task, parse_task_options
+def _check_task_and_model(cfg: LearnerConfig) -> None:
+    """Build the task once (the addition task's seed follows ``--seed``) and check the model
+    directory, so a bad task or model is a clear error now."""
+    from echorl.tasks import load_task
 
-    if task_option:
-        cfg.task_options = parse_task_options(task_option)
     if cfg.task == "addition":
         cfg.task_options.setdefault("seed", cfg.seed)
     load_task(cfg.task, **cfg.task_options)
-    if cfg.model and not (Path(cfg.model) / "config.json").is_file():
-        raise ValueError(f"--model {cfg.model} is not a Hugging Face model directory (no config.json)")
+    cfg.check_model()
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config.configured(LearnerConfig, args, "learner")
+    if isinstance(cfg, int):
+        return cfg
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(message)s", stream=sys.stderr)
-    keys = ("listen", "key", "steps", "staleness", "metrics_out", "addr_file", "seed", "model", "task",
-            "lease_timeout_s", "eval_every", "dht", "run_id", "publish_every", "full_every", "fanout",
-            "upload_mbps", "checkpoint_dir", "checkpoint_every", "resume", "spot_check_fraction", "activation")
     try:
-        cfg = LearnerConfig.load(args.config, {k: getattr(args, k, None) for k in keys})
-        _check_task_and_model(cfg, args.task_option)
-    except (OSError, ValueError, TypeError) as exc:  # TaskError and JSON errors are ValueErrors
-        print(f"echorl learner: {exc}", file=sys.stderr)
+        if cfg.resume and not cfg.checkpoint_dir:
+            raise config.ConfigError("--resume needs --checkpoint-dir")
+        _check_task_and_model(cfg)  # TaskError is a ValueError
+        device = cfg.pin_device()
+    except ValueError as exc:
+        config.fail("learner", exc)
         return 2
-    if cfg.activation not in ("all", "cost"):
-        print(f"echorl learner: activation must be 'all' or 'cost', not {cfg.activation!r}", file=sys.stderr)
-        return 2
-    if cfg.resume and not cfg.checkpoint_dir:
-        print("echorl learner: --resume needs --checkpoint-dir", file=sys.stderr)
-        return 2
+    log.info("learner device: %s", device)
     try:
         trio.run(serve, cfg)
     except KeyboardInterrupt:
@@ -186,10 +90,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     if cfg.resume:
         await _resume(cfg, trainer)
     trainer.open_metrics()
-    policy = LeasePolicy(staleness=cfg.staleness, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-                         prompts_per_lease=cfg.prompts_per_lease, lease_timeout_s=cfg.lease_timeout_s,
-                         liveness_after_s=cfg.liveness_after_s, sampling=trainer.sampling_spec(),
-                         activation=cfg.activation, activation_margin=cfg.activation_margin)
+    policy = LeasePolicy.of(cfg, trainer.sampling_spec())
     service = LearnerService(identity, cfg.run_id, trainer.task, trainer.tokenizer, trainer.buffer, policy,
                              trainer.vocab_size)
     service.version = service.published = trainer.grpo.version
@@ -311,6 +212,3 @@ async def _stop_on_signal(trainer: Any, service: Any, scope: trio.CancelScope) -
             service.stopping = True
             service.accepted.set()
 
-
-def config_dict(cfg: LearnerConfig) -> dict[str, Any]:
-    return asdict(cfg)

@@ -36,14 +36,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
+from pydantic import Field
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.buffer import StalenessBuffer, Verdict
+from echorl.learner.config import LeaseFields
 from echorl.learner.replay import ReplayMismatch, episode_spec
 from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -63,23 +65,18 @@ from echorl.learner.spot_check import SpotChecker
 log = logging.getLogger("echorl.node.learner")
 
 
-@dataclass
-class LeasePolicy:
-    staleness: int = 4
-    group_size: int = 8
-    prompts_per_step: int = 16
-    prompts_per_lease: int = 8
-    lease_timeout_s: float = 30.0  # the shortest lease deadline (see ``lease_seconds``)
-    liveness_after_s: float = 3.0  # ping a live peer not heard from for this long
-    ping_timeout_s: float = 3.0
-    heartbeat_s: float = 2.0
-    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(
+class LeasePolicy(LeaseFields):
+    """The lease service's settings: the :class:`LeaseFields` section of the learner's config
+    plus the sampling spec leases carry (taken from the task and the trainer)."""
+
+    sampling: SamplingSpec = Field(default_factory=lambda: SamplingSpec(
         temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]))
-    activation: str = "all"  # "all": every node is leased work; "cost": cheapest sufficient set (DESIGN §7)
-    activation_margin: float = 0.25  # base margin over the required throughput (plus the observed loss rate)
-    activation_interval_s: float = 2.0  # re-decide this often; also the standby nodes' retry_after_s
-    activation_loss_window_s: float = 300.0  # node losses counted for the preemption margin
-    activation_hysteresis: float = 0.25  # extra margin a decision must meet to park a currently active node
+    """what every lease asks the node to sample with"""
+
+    @classmethod
+    def of(cls, cfg: LeaseFields, sampling: SamplingSpec) -> "LeasePolicy":
+        """The policy of a learner config, field by field (no field is named here)."""
+        return cls(**cfg.model_dump(include=set(LeaseFields.model_fields)), sampling=sampling)
 
     @property
     def version_lag(self) -> int:

@@ -77,6 +77,7 @@ class Trainer:
         import torch
 
         from echorl.actor.backend import TorchBackend
+        from echorl.actor.device import resolve_device
         from echorl.actor.model import default_model
         from echorl.learner.buffer import StalenessBuffer
         from echorl.learner.grpo import GRPOConfig, GRPOTrainer
@@ -85,8 +86,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model_dir = cfg.model or str(default_model())
         task = load_task(cfg.task, **cfg.task_options)
-        backend = TorchBackend.from_pretrained(model_dir)
-        gcfg = GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, temperature=cfg.temperature)
+        device, dtype = resolve_device(cfg.device, cfg.dtype)
+        backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)
+        gcfg = GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, temperature=cfg.temperature, device=device,
+                          dtype=dtype)
         grpo = GRPOTrainer(backend.model, gcfg)
         from echorl.learner.replay import group_scorer
 

@@ -27,31 +27,14 @@ from typing import Any
 
 import trio
 
+from echorl import config
+from echorl.node.config import NodeConfig
+
 log = logging.getLogger("echorl.node.daemon")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bootstrap", required=True, help="multiaddr of a bootstrap peer (/ip4/…/tcp/…/p2p/<id>)")
-    p.add_argument("--key", default=os.path.expanduser("~/.config/echorl/node.key"),
-                   help="Ed25519 key file (created with mode 0600 if missing)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the node samples")
-    p.add_argument("--price-per-hour", dest="price_per_hour", type=float, default=0.0, help="what this node asks per hour (capability record; used for cost-aware scheduling)")
-    p.add_argument("--run-id", dest="run_id", default="echorl-demo", help="the run to join")
-    p.add_argument("--learner-id", dest="learner_id", default=None,
-                   help="pin the learner's peer ID (default: the bootstrap peer is the learner); "
-                        "only manifests signed by this peer are accepted")
-    p.add_argument("--model", default="", help="model directory for architecture + tokenizer (default: tiny demo model)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; with no --model, also the built-in model's seed")
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (others relay weights to us through it)")
-    p.add_argument("--max-prompts", dest="max_prompts", type=int, default=8, help="most prompts asked for per lease")
-    p.add_argument("--state-dir", dest="state_dir", default=None,
-                   help="where the newest verified weights are kept, so a restart does not re-download "
-                        "them (default: state-<key name>-<run id> next to the --key file)")
-    p.add_argument("--upload-mbps", dest="upload_mbps", type=float, default=0.0,
-                   help="upload cap in Mbit/s for relaying weights to other nodes (default: none)")
-    p.add_argument("--allow-env", dest="allow_env", action="append", default=[], metavar="MODULE:CLASS",
-                   help="a user environment this node may run for multi-turn leases (repeatable; "
-                        "the built-in ones, e.g. poker and guess, are always allowed)")
+    config.add_arguments(p, NodeConfig)
 
 
 @dataclass
@@ -63,47 +46,80 @@ class NodeState:
     weights: Any = None  # NodeWeights
     allow_env: tuple[str, ...] = ()  # user environments (module:Class) this node agreed to run
     envs: dict[str, Any] = field(default_factory=dict)  # built environments by (spec, options)
+    membership: Any = None  # Membership (our DHT server)
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config.configured(NodeConfig, args, "node")
+    if isinstance(cfg, int):
+        return cfg
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        trio.run(main, args)
+        device = _check(cfg)
+    except ValueError as exc:
+        config.fail("node", exc)
+        return 2
+    log.info("node device: %s, engine %s", device, cfg.engine)
+    try:
+        trio.run(main, cfg)
     except KeyboardInterrupt:
         return 130
     return 0
 
 
-def _capability(args: argparse.Namespace, backend: Any, tokens_per_s: float, addrs: list[str]) -> Any:
+def _check(cfg: NodeConfig) -> str:
+    """Refuse what cannot work before anything heavy loads: a model path that is not an HF
+    directory, a missing engine, CUDA asked for where there is none. Returns the device's name."""
+    import importlib.util
+
+    cfg.check_model()
+    cfg.key = os.path.expanduser(cfg.key)
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise config.ConfigError("vllm is not installed: pip install 'echorl[vllm]' on a CUDA machine")
+    device = cfg.pin_device()
+    if cfg.engine == "vllm" and cfg.device != "cuda:0":
+        raise config.ConfigError(f"--engine vllm runs on cuda:0 (choose the GPU with CUDA_VISIBLE_DEVICES), "
+                                 f"not {cfg.device}")
+    return device
+
+
+def _capability(cfg: NodeConfig, tokens_per_s: float, addrs: list[str]) -> Any:
     from echorl.protocol.messages import Capability
 
     import torch
 
-    device = "cpu"
-    memory = 0
-    if args.device == "cuda" and torch.cuda.is_available():
-        device = torch.cuda.get_device_name(0)
-        memory = int(torch.cuda.get_device_properties(0).total_memory)
+    if cfg.device.startswith("cuda"):
+        device = torch.cuda.get_device_name(torch.device(cfg.device))
+        memory = int(torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory)
     else:
+        device = "cpu"
         memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    return Capability(engine="torch", device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
-                      price_per_hour=float(args.price_per_hour), reachable=True, listen_addrs=addrs[:16])
+    return Capability(engine=cfg.engine, device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
+                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16])
 
 
-def _load_backend(args: argparse.Namespace) -> tuple[Any, float]:
+def _load_backend(cfg: NodeConfig) -> tuple[Any, float]:
+    """The inference backend (``InferenceBackend``: version, load_state_dict, generate) and its
+    measured tokens/s. vLLM is imported only when chosen; that path is untested here (no GPU)."""
     import torch
 
-    from echorl.actor.backend import TorchBackend
+    from echorl.actor.backend import measure_tokens_per_second
     from echorl.actor.model import default_model
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    path = args.model or str(default_model())
-    device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
-    backend = TorchBackend.from_pretrained(path, device=device)
-    return backend, backend.measure_tokens_per_second()
+    path = cfg.model or str(default_model())
+    if cfg.engine == "vllm":
+        from echorl.actor.vllm_backend import VLLMBackend
+
+        backend: Any = VLLMBackend(path, gpu_memory_utilization=cfg.vllm_gpu_memory, dtype=cfg.dtype, seed=cfg.seed)
+    else:
+        from echorl.actor.backend import TorchBackend
+
+        backend = TorchBackend.from_pretrained(path, device=cfg.device, dtype=cfg.dtype)
+    return backend, measure_tokens_per_second(backend)
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(cfg: NodeConfig) -> None:
     from echorl.protocol.identity import load_or_create_identity
 
     from echorl.net.host import HostConfig, open_host
@@ -112,23 +128,23 @@ async def main(args: argparse.Namespace) -> None:
     from echorl.node.versions import NodeWeights
     from echorl.net.transport import UploadLimiter
 
-    identity = load_or_create_identity(args.key)
-    state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir(args.key, args.run_id)
-    backend, tps = await trio.to_thread.run_sync(_load_backend, args)
-    log.info("node %s: %.0f tokens/s on %s", identity.peer_id[:16], tps, args.device)
-    state = NodeState(run_id=args.run_id, allow_env=tuple(args.allow_env or ()))
-    async with open_host(identity, HostConfig(listen=args.listen)) as host:
-        cap = _capability(args, backend, tps, host.addrs)
-        state.weights = NodeWeights(host, args.run_id, backend, UploadLimiter.from_mbps(args.upload_mbps),
-                                    keeper=SnapshotKeeper(state_dir, args.run_id))
+    identity = load_or_create_identity(cfg.key)
+    state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else default_state_dir(cfg.key, cfg.run_id)
+    backend, tps = await trio.to_thread.run_sync(_load_backend, cfg)
+    log.info("node %s: %.0f tokens/s on %s (%s)", identity.peer_id[:16], tps, cfg.device, cfg.dtype)
+    state = NodeState(run_id=cfg.run_id, allow_env=tuple(cfg.allow_env))
+    async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
+        cap = _capability(cfg, tps, host.addrs)
+        state.weights = NodeWeights(host, cfg.run_id, backend, UploadLimiter.from_mbps(cfg.upload_mbps),
+                                    keeper=SnapshotKeeper(state_dir, cfg.run_id))
         async with trio.open_nursery() as nursery:
-            args._membership = Membership(host, args.run_id, server=True)
-            await nursery.start(args._membership.run)
+            state.membership = Membership(host, cfg.run_id, server=True)
+            await nursery.start(state.membership.run)
             stop = trio.Event()
             nursery.start_soon(_wait_signal, stop)
             with trio.CancelScope() as work:
                 nursery.start_soon(_cancel_when, stop, work)
-                await _work_forever(host, args, state, cap, nursery)
+                await _work_forever(host, cfg, state, cap, nursery)
             await _return_lease(host, state)
             with trio.move_on_after(120):
                 await state.weights.flush()  # the newest version on disk before we go
@@ -166,7 +182,7 @@ async def _return_lease(host: Any, state: NodeState) -> None:
         log.warning("could not return lease %s: %s", state.current_lease, exc)
 
 
-async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, cap: Any,
+async def _work_forever(host: Any, cfg: NodeConfig, state: NodeState, cap: Any,
                         nursery: trio.Nursery) -> None:
     from echorl.net.host import PeerUnavailable, RemoteError
 
@@ -174,7 +190,7 @@ async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, c
     while True:
         started = time.monotonic()
         try:
-            await _session(host, args, state, cap, nursery)
+            await _session(host, cfg, state, cap, nursery)
         except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
             if state.leases_done and time.monotonic() - started > 10.0:
                 backoff = 0.5  # the session worked for a while: a fresh failure, not a streak
@@ -184,7 +200,7 @@ async def _work_forever(host: Any, args: argparse.Namespace, state: NodeState, c
         backoff = min(backoff * 2, 15.0)
 
 
-async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: Any, nursery: trio.Nursery) -> None:
+async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nursery: trio.Nursery) -> None:
     """Connect, join, get weights, then loop lease → generate → submit until an error ends the
     session."""
     import secrets
@@ -196,8 +212,8 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
     from echorl.net.membership import find_learner
 
     weights = state.weights
-    state.learner = await find_learner(host, args.bootstrap, state.run_id, getattr(args, "_membership", None),
-                                       pinned=getattr(args, "learner_id", None))
+    state.learner = await find_learner(host, cfg.bootstrap, state.run_id, state.membership,
+                                       pinned=cfg.learner_id or None)
     await weights.attach(state.learner, nursery)
     join = wire.sign(JoinRequest(run_id=state.run_id, peer_id=host.peer_id, capability=cap, version=weights.version,
                                  timestamp=time.time(), nonce=secrets.token_bytes(16)), host.identity)
@@ -207,12 +223,12 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
              accepted.staleness_bound, weights.version)
     if weights.version > accepted.version:  # the learner resumed from an older checkpoint
         weights.forget(state.learner)
-    if getattr(args, "_membership", None) is not None:
-        await args._membership.provide()
+    if state.membership is not None:
+        await state.membership.provide()
     await weights.ensure(0)
     idle = 0.05
     while True:
-        lease, wait = await _request_lease(host, args, state)
+        lease, wait = await _request_lease(host, cfg, state)
         if lease is None:
             if wait > 0:
                 await trio.sleep(max(wait, idle))
@@ -232,7 +248,7 @@ async def _session(host: Any, args: argparse.Namespace, state: NodeState, cap: A
         state.leases_done += 1
 
 
-async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) -> tuple[Any, float]:
+async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[Any, float]:
     """(lease, 0) or (None, seconds to wait): a deferral for old or unknown weights updates them
     first and asks again at once (or shortly, if nothing newer is to be had yet)."""
     from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
@@ -242,7 +258,7 @@ async def _request_lease(host: Any, args: argparse.Namespace, state: NodeState) 
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
                                LeaseRequest(run_id=state.run_id, version=weights.version,
-                                            max_prompts=args.max_prompts), expect=(Lease, LeaseDeferred))
+                                            max_prompts=cfg.max_prompts), expect=(Lease, LeaseDeferred))
     if isinstance(reply, Lease):
         return reply, 0.0
     assert isinstance(reply, LeaseDeferred)

@@ -74,7 +74,7 @@ def test_batched_logprobs_match_single_prompt(model_dir):
 
 
 def test_stop_strings_top_p_and_eos(model_dir):
-    from echorl.actor.backend import TorchBackend
+    from echorl.actor.backend import TorchBackend, measure_tokens_per_second
 
     b = TorchBackend.from_pretrained(model_dir)
     free = b.generate(["9+9="], 16, SamplingParams(max_new_tokens=6), seed=2)[0]
@@ -87,7 +87,7 @@ def test_stop_strings_top_p_and_eos(model_dir):
     narrow = b.generate(["9+9="], 8, SamplingParams(max_new_tokens=3, top_p=1e-6), seed=5)[0]
     greedy = b.generate(["9+9="], 1, SamplingParams(temperature=0.0, max_new_tokens=3))[0][0]
     assert all(s.token_ids == greedy.token_ids for s in narrow)  # top-p -> only the top token
-    assert b.measure_tokens_per_second(batch=4, new_tokens=4) > 0
+    assert measure_tokens_per_second(b, batch=4, new_tokens=4) > 0
 
 
 def test_types_validate_and_roundtrip():

@@ -61,6 +61,58 @@ def test_learner_config_file_unknown_key(tmp_path):
     assert result.returncode == 2 and "unknown learner config keys: ['stepz']" in result.stderr
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("role", ["learner", "node"])
+def test_print_config_round_trips_and_a_flag_overrides_the_file(tmp_path, role):
+    base = ["--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x"] if role == "node" else []
+    printed = echorl(role, *base, "--seed", "3", "--print-config").stdout
+    (tmp_path / "c.toml").write_text(printed)
+    assert echorl(role, "--config", str(tmp_path / "c.toml"), "--print-config").stdout == printed
+    changed = echorl(role, "--config", str(tmp_path / "c.toml"), "--upload-mbps", "5", "--print-config").stdout
+    assert changed == printed.replace("upload_mbps = 0.0", "upload_mbps = 5.0") != printed
+
+
+@pytest.mark.parametrize("role", ["learner", "node", "train-local", "demo"])
+def test_unknown_toml_key_is_one_line_and_exit_2(tmp_path, role):
+    (tmp_path / "c.toml").write_text("stepz = 3\n")
+    result = echorl(role, "--config", str(tmp_path / "c.toml"), check=False)
+    assert result.returncode == 2 and result.stderr == f"echorl {role}: unknown {role} config keys: ['stepz']\n"
+
+
+def _node(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "echorl.cli", "node", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x",
+                           "--key", str(tmp_path / "node.key"), *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "."], "--model . is not a Hugging Face model directory (no config.json)"),
+    (["--engine", "vllm"], "vllm is not installed: pip install 'echorl[vllm]' on a CUDA machine"),
+    (["--max-prompts", "0"], "--max-prompts (max_prompts): Input should be greater than or equal to 1 (got '0')"),
+])
+def test_node_refuses_bad_input_before_anything_heavy(tmp_path, args, message):
+    result = _node(tmp_path, *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines == [f"echorl node: {message}"], result.stderr
+    assert not (tmp_path / "node.key").exists()  # nothing was started
+
+
+@pytest.mark.skipif(_cuda(), reason="this machine has CUDA")
+@pytest.mark.parametrize("role", ["learner", "node", "train-local"])
+def test_cuda_asked_without_cuda_is_an_error_not_a_fallback(tmp_path, role):
+    base = ["--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x", "--key", str(tmp_path / "k")] if role == "node" else []
+    result = subprocess.run([sys.executable, "-m", "echorl.cli", role, *base, "--device", "cuda:0"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"echorl {role}: --device cuda:0: CUDA is not available")
+    assert "Traceback" not in result.stderr and not (tmp_path / "k").exists()
+
+
 def _procs_mentioning(text: str) -> list[int]:
     from pathlib import Path
 

@@ -24,8 +24,9 @@ def _cli(*args, timeout=180):
     [
         (["--task", "additon"], "unknown task 'additon'"),
         (["--task", "addition", "--task-option", "digitz=3"], "unknown option(s) ['digitz']"),
-        (["--model", "/nonexistent/dir"], "not a HF model directory"),
-        (["--staleness", "-1"], "--staleness >= 0"),
+        (["--model", "/nonexistent/dir"], "not a Hugging Face model directory"),
+        (["--staleness", "-1"], "--staleness (staleness): Input should be greater than or equal to 0"),
+        (["--actors", "0"], "--actors (actors): Input should be greater than or equal to 1"),
         (["--resume"], "--resume needs --checkpoint-dir"),
     ],
 )
@@ -46,8 +47,9 @@ def test_short_run_metrics_and_resume(tmp_path):
     common = ["--model", str(model), "--staleness", "2", "--actors", "2", "--prompts-per-step", "4",
               "--group-size", "4", "--lease-prompts", "2", "--eval-every", "2", "--quiet", "--actor-delay", "0.05",
               "--metrics-out", str(metrics), "--checkpoint-dir", str(ck), "--task-option", "n_eval=16"]
-    r = _cli("--steps", "3", *common)
+    r = _cli("--steps", "3", "--device", "cpu", *common)
     assert r.returncode == 0, r.stderr
+    assert "learner and actors on cpu, float32" in r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(KEYS <= set(row) for row in rows)

@@ -1,0 +1,158 @@
+"""The learner's settings (``echorl learner``) and those it shares with ``echorl train-local``.
+
+One pydantic model per role, built from sections so each field is defined once:
+:class:`TrainingFields` (task, model, batch shape, GRPO, checkpoints: both roles),
+:class:`LeaseFields` (what the network service reads; ``LeasePolicy`` in ``service.py`` is this
+section plus the sampling spec, built from a :class:`LearnerConfig` by field name), and the
+learner's own broadcast / spot-check fields. Fields whose default differs between roles (steps,
+staleness, evaluation period) are typed once here as ``Annotated`` aliases. The command line is
+made from these models by :mod:`echorl.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from echorl.config import Flag, ModelFields, PeerFields, Section
+from echorl.protocol import limits
+from echorl.tasks import parse_task_options
+
+Steps = Annotated[int, Field(ge=0, le=10**9, description="optimizer steps (versions) to train; the learner "
+                                                          "runs until stopped with 0")]
+Staleness = Annotated[int, Field(ge=0, le=10_000, description="staleness bound S: a rollout of version b is used "
+                                                               "at step t iff t - b <= S")]
+PublishEvery = Annotated[int, Field(ge=0, le=10**6, description="publication period κ in steps (0: max(1, S-1))")]
+FullEvery = Annotated[int, Field(ge=1, le=10**6, description="a full snapshot every this many publications, "
+                                                              "deltas between")]
+EvalEvery = Annotated[int, Field(ge=1, le=10**9, description="held-out evaluation period in steps (and at the end)")]
+TaskOptions = Annotated[dict[str, int | float | bool | str],
+                        Flag("--task-option", parse=parse_task_options)]
+
+
+class TaskFields(Section):
+    """Which task prompts come from."""
+
+    task: str = Field("addition", min_length=1)
+    """built-in task name (addition, math, reasoning-gym) or package.module:Class"""
+    task_options: TaskOptions = {}
+    """task constructor option (the addition task's seed follows --seed)"""
+
+
+class BatchFields(Section):
+    """The shape of a step: what the buffer, the trainer and the lease service agree on."""
+
+    staleness: Staleness = 4
+    group_size: int = Field(8, ge=2, le=limits.MAX_GROUP_SIZE)
+    """G samples per prompt"""
+    prompts_per_step: int = Field(16, ge=1, le=100_000)
+    """accepted groups per optimizer step (B)"""
+
+
+class TrainingFields(ModelFields, TaskFields, BatchFields):
+    """Everything a GRPO run needs, with or without a network."""
+
+    steps: Steps = 0
+    publish_every: PublishEvery = 0
+    lr: float = Field(5e-4, ge=0.0, le=1.0)
+    """AdamW learning rate (0 leaves the weights untouched)"""
+    clip: float = Field(0.2, ge=0.0, le=10.0)
+    """PPO clip epsilon"""
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    """sampling temperature"""
+    eval_every: EvalEvery = 10
+    metrics_out: str = ""
+    """JSON-lines metrics file, one line per learner step"""
+    checkpoint_dir: str = ""
+    """where to write checkpoints"""
+    checkpoint_every: int = Field(0, ge=0, le=10**9)
+    """checkpoint period in steps (0: only at the end, and on SIGTERM for the learner)"""
+    resume: bool = False
+    """continue from the newest checkpoint in --checkpoint-dir"""
+
+
+class LeaseFields(BatchFields):
+    """How the learner service hands out work (``LeasePolicy`` is a copy of this section)."""
+
+    prompts_per_lease: int = Field(8, ge=1, le=limits.MAX_PROMPTS_PER_LEASE)
+    """most prompts in one lease"""
+    lease_timeout_s: Annotated[float, Flag("--lease-timeout")] = Field(30.0, gt=0.0, le=86_400.0)
+    """seconds before an unanswered lease expires and its prompts are re-queued; a slow node's
+    leases get 4x its expected time (at most 20x this)"""
+    liveness_after_s: float = Field(3.0, gt=0.0, le=3600.0)
+    """ping a live peer not heard from for this long"""
+    ping_timeout_s: float = Field(3.0, gt=0.0, le=3600.0)
+    """a ping unanswered this long marks the peer dead"""
+    heartbeat_s: float = Field(2.0, gt=0.0, le=3600.0)
+    """period of the liveness sweep"""
+    activation: Literal["all", "cost"] = "all"
+    """which nodes get leases: 'all' every joined node; 'cost' only the cheapest set (ascending price per
+    unit of measured throughput) that meets the required throughput with a margin (activation_margin
+    plus the observed node-loss rate); the rest are parked as standby (deferred, still receiving broadcasts)"""
+    activation_margin: float = Field(0.25, ge=0.0, le=100.0)
+    """base margin over the required throughput for cost-aware activation"""
+    activation_interval_s: float = Field(2.0, gt=0.0, le=3600.0)
+    """re-decide the active set this often; also the standby nodes' retry delay"""
+    activation_loss_window_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    """node losses counted for the preemption margin over this window"""
+    activation_hysteresis: float = Field(0.25, ge=0.0, le=100.0)
+    """extra margin a decision must meet to park a node that is active now"""
+
+
+class LearnerConfig(TrainingFields, LeaseFields, PeerFields):
+    """``echorl learner``."""
+
+    key: str = ""
+    """key file (created if missing; default: DIR/learner.key with --checkpoint-dir, else a fresh key per run)"""
+    addr_file: str = ""
+    """write the bootstrap multiaddr here"""
+    dht: bool = True
+    """run the Kademlia DHT (--no-dht: nodes must bootstrap from the learner itself)"""
+    eval_prompts: int = Field(1024, ge=1, le=10**6)
+    """held-out prompts per evaluation"""
+    full_every: FullEvery = 10
+    fanout: int = Field(4, ge=1, le=64)
+    """broadcast fanout (stripes)"""
+    chunk_kib: int = Field(256, ge=1, le=limits.MAX_CHUNK_BYTES // 1024)
+    """broadcast chunk size in KiB"""
+    broadcast_timeout_s: float = Field(120.0, gt=0.0, le=86_400.0)
+    """how long one publication may take"""
+    spot_check_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    """fraction of submissions whose behaviour log-probs are recomputed with the claimed version's snapshot;
+    a mismatch refuses the submission and flags the peer, whose submissions are then all checked (0: off)"""
+    spot_check_tolerance_mean: float = Field(0.02, gt=0.0, le=100.0)
+    """a spot check fails if the mean |Δ log-prob| exceeds this (float32 CPU actors agree to ~1e-5;
+    bf16/fp16 GPU actors need looser values)"""
+    spot_check_tolerance_max: float = Field(0.5, gt=0.0, le=1000.0)
+    """a spot check fails if the largest |Δ log-prob| exceeds this"""
+    spot_check_ban_after: int = Field(3, ge=0, le=10**6)
+    """mismatches before a peer is refused leases (0: never)"""
+
+
+class TrainLocalConfig(TrainingFields):
+    """``echorl train-local``: the learner and actor worker processes on this machine, no network."""
+
+    steps: Steps = 400
+    staleness: Staleness = 0
+    eval_every: EvalEvery = 25
+    actors: int = Field(3, ge=1, le=256)
+    """actor worker processes"""
+    actor_delay: float = Field(0.2, ge=0.0, le=3600.0)
+    """seconds before a published version is visible to actors"""
+    lease_prompts: int = Field(4, ge=1, le=limits.MAX_PROMPTS_PER_LEASE)
+    """prompts per lease"""
+    max_inflight: int = Field(0, ge=0, le=10**6)
+    """prompts leased at once (0: B if S=0 else 2B)"""
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    """weight of the k3 KL penalty to the initial model"""
+    off_policy_correction: bool = True
+    """clipped ratio + truncated IS against the behaviour policy (--no-off-policy-correction: the ablation)"""
+    loss_norm: Literal["token", "sequence"] = "token"
+    """average the loss over tokens or over sequences"""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """nucleus sampling threshold"""
+    work_dir: str = ""
+    """scratch directory for published weights (default: a temp dir)"""
+    quiet: bool = False
+    """no progress bar"""
