@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python bench/rollout_throughput.py --seconds 20 --steps 60 --json
 
-Baseline (same run): ``TorchBackend.from_pretrained(build_default_model())`` in this process,
+Baseline (same run): ``TorchBackend.from_pretrained(default_model())`` in this process,
 ``generate(8 addition prompts, group_size=8, SamplingParams(temperature 1, top_p 1,
 max_new_tokens=task.max_new_tokens))`` in a loop, for ``--seconds`` split into two halves, one
 before and one after the network phase (to bracket load changes on the shared cores):
@@ -156,11 +156,11 @@ def main() -> None:
     import torch
 
     from echorl.actor.backend import TorchBackend
-    from echorl.actor.model import build_default_model
+    from echorl.actor.model import default_model
     from echorl.tasks import load_task
 
     torch.set_num_threads(1)
-    model_dir = str(build_default_model())
+    model_dir = str(default_model())
     backend = TorchBackend.from_pretrained(model_dir)
     task = load_task("addition")
     inprocess(backend, task, 1.0)  # warm-up

@@ -64,9 +64,9 @@ class ModelFields(Section):
     """Which model a role runs and where."""
 
     model: str = ""
-    """Hugging Face model directory (default: build or reuse the tiny demo model for --seed)"""
+    """Hugging Face model directory (default: the shipped tiny model, actor/default_model)"""
     seed: int = Field(0, ge=0, le=2**31 - 1)
-    """seed of the built-in model, prompts and sampling"""
+    """seed of prompts and sampling (the built-in model is the same for every seed)"""
     device: Device = "auto"
     """torch device: auto (cuda if available, else cpu), cpu, cuda or cuda:N; asking for CUDA where
     there is none is an error, never a silent fallback"""

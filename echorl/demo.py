@@ -124,10 +124,10 @@ def run(ns: argparse.Namespace) -> int:
         model_dir = Path(args.model).expanduser().resolve()
         print(f"echorl demo: model {model_dir}; logs in {work}", flush=True)
     else:
-        print(f"echorl demo: building the tiny model (cached after the first run); logs in {work}", flush=True)
-        from echorl.actor.model import build_default_model
+        print(f"echorl demo: built-in tiny model; logs in {work}", flush=True)
+        from echorl.actor.model import default_model
 
-        model_dir = build_default_model(seed=args.seed)
+        model_dir = default_model()
     task = ["--task", args.task, *(a for k, v in args.task_options.items() for a in ("--task-option", f"{k}={v}")),
             "--device", args.device, "--dtype", args.dtype]
     from echorl.tasks import BUILTIN

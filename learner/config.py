@@ -150,6 +150,8 @@ class TrainLocalConfig(TrainingFields):
     """prompts leased at once (0: B if S=0 else 2B)"""
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
     """weight of the k3 KL penalty to the initial model"""
+    off_policy_correction: bool = True
+    """clipped ratio + truncated IS against the behaviour policy (--no-off-policy-correction: the ablation)"""
     loss_norm: Literal["token", "sequence"] = "token"
     """average the loss over tokens or over sequences"""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -60,6 +60,10 @@ class GRPOConfig:
     """PPO clip: the ratio is clipped above at 1 + clip_high."""
     tis_cap: float = 2.0
     """Truncation C of the importance weight pi_theta/pi_b in the unclipped (A < 0) branch."""
+    off_policy_correction: bool = True
+    """Ratio and truncation against the behaviour policy pi_b (False: the ratio is taken against
+    the current policy itself, r = 1 with the gradient of log pi: plain on-policy policy
+    gradient that ignores staleness; the ablation of bench/staleness_sweep.py)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 = no reference)."""
     loss_norm: Literal["token", "sequence"] = "token"
@@ -121,6 +125,8 @@ def grpo_token_loss(
 
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)[:, None].expand_as(logp)
+    if not cfg.off_policy_correction:
+        behaviour_logp = logp.detach()
     ratio = torch.exp(torch.clamp(logp - behaviour_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     surr = torch.minimum(ratio * adv, clipped * adv)

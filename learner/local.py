@@ -58,7 +58,7 @@ def _build(cfg: TrainLocalConfig, task: Any) -> tuple[Any, Path]:
     from transformers import AutoTokenizer
 
     from echorl.actor.backend import TorchBackend
-    from echorl.actor.model import build_default_model
+    from echorl.actor.model import default_model
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
     from echorl.learner.loop import TrainingLoop
@@ -66,10 +66,10 @@ def _build(cfg: TrainLocalConfig, task: Any) -> tuple[Any, Path]:
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    model_dir = Path(cfg.model) if cfg.model else build_default_model(seed=cfg.seed)
+    model_dir = Path(cfg.model) if cfg.model else default_model()
     grpo = GRPOTrainer(model_dir, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef,
                                              loss_norm=cfg.loss_norm, temperature=cfg.temperature, device=cfg.device,
-                                             dtype=cfg.dtype))
+                                             dtype=cfg.dtype, off_policy_correction=cfg.off_policy_correction))
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     replay = group_scorer(task, tok)  # episodic tasks: rewards come from replaying the episodes
     buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)

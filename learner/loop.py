@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import trio
 
 from echorl.learner.checkpoint import check_state_keys
+from echorl.tasks import reward_errors
 
 log = logging.getLogger("echorl.learner.loop")
 
@@ -359,7 +360,7 @@ class TrainingLoop:
             "rollouts_per_s": self._window[1] / max(1e-9, time.monotonic() - self._window[0]),
             "publish_every": self.kappa, "t_train_s": self.t_train_ema, "busy_fraction": self.busy_fraction(),
             "prompts_trained_twice": self.prompts_trained_twice, "elapsed_s": time.monotonic() - self.started,
-            **self.faults,
+            "reward_errors": reward_errors(self.task), **self.faults,
         }
 
     SUMMARY_KEYS = ("step", "reward_mean", "staleness_max", "busy_fraction", "t_train_s", "t_bcast_s",

@@ -34,14 +34,14 @@ def build_loop(cfg: "LearnerConfig") -> TrainingLoop:
 
     from echorl.actor.backend import TorchBackend
     from echorl.actor.device import resolve_device
-    from echorl.actor.model import build_default_model
+    from echorl.actor.model import default_model
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
     from echorl.learner.replay import group_scorer
     from echorl.tasks import load_task
 
     torch.manual_seed(cfg.seed)
-    model_dir = cfg.model or str(build_default_model(seed=cfg.seed))
+    model_dir = cfg.model or str(default_model())
     task = load_task(cfg.task, **cfg.task_options)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)

@@ -170,10 +170,10 @@ def _load_backend(cfg: NodeConfig) -> tuple[Any, float]:
     import torch
 
     from echorl.actor.backend import measure_tokens_per_second
-    from echorl.actor.model import build_default_model
+    from echorl.actor.model import default_model
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    path = cfg.model or str(build_default_model(seed=cfg.seed))
+    path = cfg.model or str(default_model())
     if cfg.engine == "vllm":
         from echorl.actor.vllm_backend import VLLMBackend
 

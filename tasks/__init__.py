@@ -5,18 +5,30 @@
 '49+97='
 
 Built in: ``addition`` (demo default), ``math`` (JSONL word problems, final-answer checking),
-``reasoning-gym`` (optional extra, untested here), and the multi-turn environments ``poker``
-(Kuhn poker against a fixed opponent) and ``guess`` (number guessing with higher/lower feedback).
-Any class with the :class:`Task` attributes can be named as ``package.module:ClassName``; options
+``reasoning-gym`` (optional extra ``tasks``; ``reasoning_gym:NAME`` picks a generator), and the
+multi-turn environments ``poker`` (Kuhn poker against a fixed opponent) and ``guess`` (number
+guessing with higher/lower feedback). Any class with the :class:`Task` attributes can be named as
+``package.module:ClassName`` (modules in the current working directory are found too); options
 are passed to its constructor. A subclass of :class:`Environment` named that way becomes an
 episodic task (:class:`EnvTask`, ``tasks/env.py``).
+
+A user's verifier is untrusted code: :func:`load_task` wraps ``task.reward`` in a
+:class:`RewardGuard`, so a verifier that raises or returns a non-number scores that sample 0,
+is counted (:func:`reward_errors`, the ``reward_errors`` metric) and logged once, and the run
+goes on.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+import logging
+import math
+import numbers
+import os
+import sys
+import threading
+from typing import Any, Callable
 
 from .base import EnvStep, Prompt, Task, TaskError
 from .env import Environment, EnvTask, is_episodic
@@ -30,6 +42,41 @@ BUILTIN: dict[str, str] = {
 }
 
 _REQUIRED = ("next_prompts", "reward", "eval_prompts")
+log = logging.getLogger("echorl.tasks")
+
+
+class RewardGuard:
+    """``task.reward`` made safe to call from the learner: an exception or a result that is not
+    a finite number (NaN, inf, None, a string, ...) becomes reward 0.0 and increments
+    :attr:`errors`; the first such failure is logged with the task's name (not every one: a
+    broken verifier would otherwise flood the log once per sample). Thread-safe: the learner
+    scores in worker threads."""
+
+    def __init__(self, task_name: str, reward: Callable[[Prompt, str], Any]) -> None:
+        self.task_name, self.inner = task_name, reward
+        self.errors = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, prompt: Prompt, completion_text: str) -> float:
+        try:
+            value = self.inner(prompt, completion_text)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise TypeError(f"reward returned {value!r} (type {type(value).__name__}), not a finite number")
+            return float(value)
+        except Exception as exc:  # the verifier is user code: any failure scores 0, never stops the run
+            with self._lock:
+                self.errors += 1
+                first = self.errors == 1
+            if first:
+                log.warning("task %r: reward failed for prompt %r, scored 0 (further failures are only "
+                            "counted in reward_errors): %s: %s", self.task_name,
+                            getattr(prompt, "prompt_id", "?"), type(exc).__name__, exc)
+            return 0.0
+
+
+def reward_errors(task: Any) -> int:
+    """How many samples the task's verifier failed on so far (0 for an unguarded task)."""
+    return int(getattr(getattr(task, "reward", None), "errors", 0))
 
 
 def _resolve(spec: str) -> type:
@@ -41,6 +88,9 @@ def _resolve(spec: str) -> type:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise TaskError(f"bad task spec {spec!r}: expected 'package.module:ClassName'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # appended: a user's file never shadows an installed module
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -59,9 +109,14 @@ def load_task(spec: str, **options: Any) -> Task:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise TaskError(f"task spec must be a non-empty string, got {spec!r}")
-    cls = _resolve(spec.strip())
+    spec = spec.strip()
+    for prefix in ("reasoning_gym:", "reasoning-gym:"):
+        if spec.startswith(prefix) and spec[len(prefix):]:
+            options = {**options, "dataset": spec[len(prefix):]}
+            spec = "reasoning-gym"
+    cls = _resolve(spec)
     if isinstance(cls, type) and issubclass(cls, Environment):
-        return EnvTask(cls, spec.strip(), **options)
+        return _guarded(EnvTask(cls, spec, **options), spec)
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -82,6 +137,12 @@ def load_task(spec: str, **options: Any) -> Task:
         raise TaskError(f"task {spec!r}: {cls.__name__} lacks {missing}")
     if not hasattr(task, "cursor"):
         raise TaskError(f"task {spec!r}: {cls.__name__} has no integer 'cursor'")
+    return _guarded(task, spec)
+
+
+def _guarded(task: Any, spec: str) -> Any:
+    if not isinstance(task.reward, RewardGuard):
+        task.reward = RewardGuard(str(getattr(task, "name", spec)), task.reward)
     return task
 
 
@@ -107,5 +168,5 @@ def parse_task_options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["BUILTIN", "EnvStep", "EnvTask", "Environment", "Prompt", "Task", "TaskError", "is_episodic", "load_task",
-           "parse_task_options"]
+__all__ = ["BUILTIN", "EnvStep", "EnvTask", "Environment", "Prompt", "RewardGuard", "Task", "TaskError", "is_episodic",
+           "load_task", "parse_task_options", "reward_errors"]

@@ -1,7 +1,12 @@
 """Final-answer extraction and numeric equivalence for math word problems.
 
-Home-made on purpose (``math-verify`` is not installed here): it handles the common answer
-formats of GSM8K-style data and of chain-of-thought completions.
+The home-made checker below handles the common answer formats of GSM8K-style data and of
+chain-of-thought completions; when ``math-verify`` is installed (extra ``tasks``) an answer it
+rejects is also offered to ``math_verify.verify`` (symbolic LaTeX equivalence: ``2\\sqrt{2}`` vs
+``\\sqrt{8}``, ``\\frac{\\pi}{2}`` vs ``\\pi/2``). math-verify's timeouts use ``signal.alarm``, which does
+not work in the learner's worker threads, so they are off and the work is bounded here instead:
+only short answers without power, factorial or binomial operators and without huge numbers are
+passed to it (sympy would evaluate ``9^{9^{9}}`` for ever).
 
 Extraction order: the text after the last ``####``; else the content of the last
 ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces handled); else the number after the last
@@ -18,7 +23,10 @@ comparison (case, whitespace and surrounding ``$`` ignored).
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
+from collections.abc import Callable
 from fractions import Fraction
 
 _NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+"
@@ -141,6 +149,43 @@ def answers_match(predicted: str | None, gold: str, rel_tol: float = 1e-9) -> bo
     return norm(predicted) == norm(gold) and norm(gold) != ""
 
 
+MATH_VERIFY_MAX_CHARS = 100
+_UNBOUNDED_OPS = re.compile(r"\^|\*\*|!|binom|choose|\d{13,}|[eE][-+]?\d{3,}")
+
+
+@functools.cache
+def _math_verify() -> Callable[[str, str], bool] | None:
+    """``(gold, predicted) -> bool`` from math-verify, or None when it is not installed."""
+    try:
+        from math_verify import parse, verify  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call with timeouts off
+
+    def check(gold: str, predicted: str) -> bool:
+        g, p = (parse(x if "$" in x else f"${x}$", parsing_timeout=None) for x in (gold, predicted))
+        return bool(g and p and verify(g, p, timeout_seconds=None))
+
+    return check
+
+
+def symbolic_match(predicted: str | None, gold: str) -> bool:
+    """math-verify's verdict on a short, bounded-work answer (False when it is not installed)."""
+    check = _math_verify()
+    if check is None or predicted is None:
+        return False
+    if parse_number(predicted) is not None and parse_number(gold) is not None:
+        return False  # two plain numbers: the exact check above already decided
+    if any(len(x) > MATH_VERIFY_MAX_CHARS or _UNBOUNDED_OPS.search(x) for x in (predicted, gold)):
+        return False
+    try:
+        return check(gold, predicted)
+    except Exception:  # a parser bug on odd input is a non-match, never a failed run
+        return False
+
+
 def math_reward(completion: str, gold: str) -> float:
-    """1.0 when the final answer extracted from ``completion`` matches ``gold``, else 0.0."""
-    return 1.0 if answers_match(extract_final_answer(completion), gold) else 0.0
+    """1.0 when the final answer extracted from ``completion`` matches ``gold`` (home-made
+    numeric/text check, or math-verify's symbolic check when installed), else 0.0."""
+    predicted = extract_final_answer(completion)
+    return 1.0 if answers_match(predicted, gold) or symbolic_match(predicted, gold) else 0.0

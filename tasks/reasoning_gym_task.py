@@ -1,9 +1,10 @@
-"""Adapter for ``reasoning-gym`` procedural tasks (``"reasoning-gym"``; optional extra).
+"""Adapter for ``reasoning-gym`` procedural tasks (optional extra ``tasks``).
 
-UNTESTED HERE: reasoning-gym is not installed on the development machine; this follows its
-documented API (``reasoning_gym.create_dataset(name, size=, seed=)``, entries with
-``question``/``answer``/``metadata``, ``dataset.score_answer(answer=, entry=)``). The import
-happens only when the task is created, with a clear error if the package is missing.
+``--task reasoning_gym:NAME`` (or ``--task reasoning-gym --task-option dataset=NAME``) trains on
+the reasoning-gym generator ``NAME`` (``basic_arithmetic``, ``leg_counting``, ...). Entries are
+generated on the fly from ``(seed, index)``, so nothing is downloaded and a prompt is rebuilt
+from its index in any process; the verifier is the generator's own ``score_answer`` applied to
+the completion's final answer. Tested with ``basic_arithmetic`` (tests/tasks).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from typing import Any
 from .base import Prompt, Task, TaskError
 from .checker import extract_final_answer
 
+EVAL_SEED_OFFSET = 1_000_003
+
 
 class ReasoningGymTask(Task):
-    """Options: ``dataset`` (a reasoning-gym generator name, e.g. ``"basic_arithmetic"``),
-    ``size`` (training entries, cursor wraps), ``n_eval``, ``seed``, ``max_new_tokens``,
-    plus any generator option under ``config`` (a dict)."""
+    """Options: ``dataset`` (a reasoning-gym generator name), ``size`` (training entries; the
+    cursor wraps), ``n_eval`` (held-out entries, another seed), ``seed``, ``max_new_tokens``;
+    any other option is passed to the generator's config (e.g. ``max_terms=3``)."""
 
     name = "reasoning-gym"
 
@@ -28,39 +31,40 @@ class ReasoningGymTask(Task):
         n_eval: int = 200,
         seed: int = 0,
         max_new_tokens: int = 256,
-        config: dict[str, Any] | None = None,
+        **generator_options: Any,
     ) -> None:
         super().__init__()
         try:
             import reasoning_gym  # type: ignore[import-not-found]
         except ImportError:
-            raise TaskError(
-                "reasoning-gym task needs the optional extra: pip install 'echorl[tasks]'"
-            ) from None
-        cfg = dict(config or {})
-        self._train = reasoning_gym.create_dataset(dataset, size=int(size), seed=int(seed), **cfg)
-        self._eval = reasoning_gym.create_dataset(
-            dataset, size=int(n_eval), seed=int(seed) + 1_000_003, **cfg
-        )
-        self.dataset, self.max_new_tokens = dataset, int(max_new_tokens)
-        self._entries: dict[str, tuple[Any, dict[str, Any]]] = {}
+            raise TaskError("reasoning-gym task needs the optional extra: pip install 'echorl[tasks]'") from None
+        size, n_eval, max_new_tokens = int(size), int(n_eval), int(max_new_tokens)
+        if not 1 <= size <= 10_000_000 or not 1 <= n_eval <= 100_000 or not 1 <= max_new_tokens <= 8192:
+            raise TaskError("reasoning-gym: need 1 <= size <= 1e7, 1 <= n_eval <= 1e5, 1 <= max_new_tokens <= 8192")
+        try:
+            self._splits = {
+                "train": reasoning_gym.create_dataset(dataset, size=size, seed=int(seed), **generator_options),
+                "eval": reasoning_gym.create_dataset(dataset, size=n_eval, seed=int(seed) + EVAL_SEED_OFFSET,
+                                                     **generator_options),
+            }
+        except (KeyError, TypeError, ValueError, AssertionError) as exc:
+            raise TaskError(f"reasoning-gym: cannot create dataset {dataset!r} with {generator_options}: {exc}") from None
+        self.dataset, self.max_new_tokens = dataset, max_new_tokens
 
-    def _prompt(self, pid: str, ds: Any, idx: int) -> Prompt:
-        entry = ds[idx]
-        self._entries[pid] = (ds, entry)
-        return Prompt(pid, str(entry["question"]), str(entry["answer"]), {"index": idx})
+    def _prompt(self, pid: str, split: str, idx: int) -> Prompt:
+        entry = self._splits[split][idx]
+        return Prompt(pid, str(entry["question"]), str(entry["answer"]), {"split": split, "index": idx})
 
     def prompt_at(self, index: int) -> Prompt:
-        return self._prompt(f"{self.name}:{index}", self._train, index % len(self._train))
+        return self._prompt(f"{self.name}:{index}", "train", index % len(self._splits["train"]))
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
-        ds, entry = self._entries.get(prompt.prompt_id) or (None, None)
-        if ds is None:  # prompt created in another process: rebuild the entry from its id
-            is_eval = ":eval:" in prompt.prompt_id
-            ds = self._eval if is_eval else self._train
-            entry = ds[int(prompt.meta.get("index", 0))]
+        ds = self._splits.get(str(prompt.meta.get("split")))
+        idx = prompt.meta.get("index")
+        if ds is None or not isinstance(idx, int) or not 0 <= idx < len(ds):
+            raise TaskError(f"reasoning-gym: prompt {prompt.prompt_id!r} has no valid split/index")
         answer = extract_final_answer(completion_text) or completion_text.strip()
-        return float(ds.score_answer(answer=answer, entry=entry))
+        return float(ds.score_answer(answer=answer, entry=ds[idx]))
 
     def eval_prompts(self) -> list[Prompt]:
-        return [self._prompt(f"{self.name}:eval:{i}", self._eval, i) for i in range(len(self._eval))]
+        return [self._prompt(f"{self.name}:eval:{i}", "eval", i) for i in range(len(self._splits["eval"]))]

@@ -40,6 +40,19 @@ def test_loss_and_gradient_token_norm_by_hand():
     assert stats["clip_frac"] == pytest.approx(2 / 5) and stats["tis_frac"] == pytest.approx(1 / 5)
 
 
+def test_without_off_policy_correction_the_behaviour_policy_is_ignored():
+    # r = 1 everywhere (ratio to the current policy itself): loss -sum(A)/5 over real tokens,
+    # gradient -A/5 on every real token: no clipping, no truncation, however stale pi_b is.
+    cfg = GRPOConfig(clip_low=0.2, clip_high=0.2, tis_cap=2.0, off_policy_correction=False)
+    logp, lb, adv, mask = _inputs()
+    loss, stats = grpo_token_loss(logp, lb, adv, mask, cfg)
+    assert float(loss.detach()) == pytest.approx(-(1 + 1 - 1 - 1 - 1) / 5, abs=1e-12)
+    loss.backward()
+    expected = torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64) / 5
+    assert torch.allclose(logp.grad, expected, atol=1e-12)
+    assert stats["clip_frac"] == 0.0 and stats["tis_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+
+
 def test_loss_and_gradient_sequence_norm_by_hand():
     cfg = GRPOConfig(loss_norm="sequence")
     logp, lb, adv, mask = _inputs()

@@ -16,7 +16,7 @@ def test_grpo_raises_eval_reward():
     import torch
 
     from echorl.actor.backend import TorchBackend
-    from echorl.actor.model import build_default_model
+    from echorl.actor.model import default_model
     from echorl.actor.types import RolloutGroup, SamplingParams
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
@@ -24,7 +24,7 @@ def test_grpo_raises_eval_reward():
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model_dir = build_default_model(seed=0)  # cached under ~/.cache/echorl after the first build
+    model_dir = default_model()  # the shipped model (actor/default_model)
     task = load_task("addition", seed=0)
     trainer = GRPOTrainer(model_dir, GRPOConfig(lr=2e-4))
     actor = TorchBackend.from_pretrained(model_dir)

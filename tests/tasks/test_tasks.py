@@ -45,7 +45,7 @@ def test_load_builtin_and_module_class():
         ("addition", {"digitz": 2}, "unknown option(s) ['digitz']"),
         ("addition", {"digits": 0}, "digits must be in 1..9"),
         ("math", {"path": "/nonexistent.jsonl"}, "no such file"),
-        ("reasoning-gym", {}, "optional extra"),
+        ("reasoning_gym:no_such_generator_xyz", {}, "reasoning-gym"),  # extra missing, or unknown generator
         ("", {}, "non-empty"),
     ],
 )
