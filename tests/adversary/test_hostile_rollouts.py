@@ -38,14 +38,14 @@ def tiny():
     return TorchBackend.from_pretrained(build_default_model(warmup=None))
 
 
-def _service(tiny, **policy) -> LearnerService:
+def _service(tiny, version=lambda: 0, spot=None, **policy) -> LearnerService:
     from echorl.tasks import load_task
 
     task = load_task("addition", digits=2, seed=0)
     kw = {"group_size": 2, "prompts_per_lease": 2, "prompts_per_step": 2, "staleness": 2, **policy}
     pol = LeasePolicy(sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]), **kw)
     svc = LearnerService(Identity.generate(), RUN, task, tiny.tokenizer, StalenessBuffer(2, scorer=task.reward), pol,
-                         int(tiny.model.config.vocab_size))
+                         int(tiny.model.config.vocab_size), version=version, spot=spot)
     return svc
 
 
@@ -137,14 +137,15 @@ def test_nonfinite_step_is_skipped_and_empty_batch_dropped(tiny) -> None:
 
 def test_hostile_submissions_are_refused_and_an_honest_one_accepted(tiny) -> None:
     async def main() -> None:
-        svc = _service(tiny)
+        clock = [0]  # the learner's version t, as the training loop would report it
+        svc = _service(tiny, version=lambda: clock[0])
         svc.note_published(0)
         bad, good = Identity.generate(), Identity.generate()
         bctx, gctx = _join(svc, bad), _join(svc, good)
         out = {}
         lease = await _lease(svc, bctx)
         # claims the learner's current-but-unpublished version 1 (t − b ≤ S holds): never checkable
-        svc.version = 1
+        clock[0] = 1
         out["unpublished"] = await _code(svc.on_submit(signed_submit(bad, lease, 1, token_ids=(4,), logprobs=(-1.0,)), bctx))
         lease = await _lease(svc, bctx)
         out["after_eos"] = await _code(svc.on_submit(
@@ -181,9 +182,8 @@ def test_flagged_peer_whose_check_cannot_run_is_refused(tiny) -> None:
     from echorl.learner.spot_check import SpotChecker
 
     async def main() -> None:
-        svc = _service(tiny)
+        svc = _service(tiny, spot=SpotChecker(tiny.model, tiny.tokenizer, 1.0, 0.0, lambda v: None))  # no snapshot held
         svc.note_published(0)
-        svc.spot = SpotChecker(tiny.model, tiny.tokenizer, 1.0, 0.0, lambda v: None)  # no snapshot held
         me, other = Identity.generate(), Identity.generate()
         ctx, octx = _join(svc, me), _join(svc, other)
         svc.spot.flag(me.peer_id)
@@ -200,9 +200,8 @@ def test_nonfinite_step_flags_its_contributors(tiny) -> None:
     from echorl.learner.spot_check import SpotChecker
 
     async def main() -> None:
-        svc = _service(tiny)
+        svc = _service(tiny, spot=SpotChecker(tiny.model, tiny.tokenizer, 1.0, 0.0, lambda v: None))
         svc.note_published(0)
-        svc.spot = SpotChecker(tiny.model, tiny.tokenizer, 1.0, 0.0, lambda v: None)
         me = Identity.generate()
         ctx = _join(svc, me)
         lease = await _lease(svc, ctx)

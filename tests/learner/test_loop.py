@@ -84,15 +84,17 @@ def test_both_lease_paths_issue_the_loops_min_version(staleness):
                          published=published)
     now = time.monotonic()
     svc.peers["node"] = PeerRecord("node", _cap(), now, now)
-    ctx = RequestContext("node", "lease", now)
 
-    async def ask(version: int):
-        return await svc.on_lease(LeaseRequest(run_id="run-1", version=version, max_prompts=2), ctx)
+    svc.peers["older"] = PeerRecord("older", _cap(), now, now)  # one lease per new peer (admission)
+
+    async def ask(version: int, peer: str = "node"):
+        return await svc.on_lease(LeaseRequest(run_id="run-1", version=version, max_prompts=2),
+                                  RequestContext(peer, "lease", now))
 
     got = trio.run(ask, want)
     assert isinstance(got, Lease) and got.min_version == want
     if want > 0:
-        too_old = trio.run(ask, want - 1)
+        too_old = trio.run(ask, want - 1, "older")
         assert isinstance(too_old, LeaseDeferred) and too_old.want_version == want
 
 
