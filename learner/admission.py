@@ -69,9 +69,13 @@ class Admission:
         if version not in self.held:
             self.held.append(version)
 
+    def holds(self, version: int, published: int) -> bool:
+        """Whether rollouts made with ``version`` can be accepted (and spot-checked)."""
+        return version == published or version in self.held
+
     def check_version(self, version: int, published: int) -> None:
         """Refuse a behaviour version the learner did not publish (or no longer holds)."""
-        if version != published and version not in self.held:
+        if not self.holds(version, published):
             raise ProtocolError(ErrorCode.UNPUBLISHED_VERSION,
                                 f"behaviour version {version} was not published or is no longer held "
                                 f"(held: {sorted(set(self.held) | {published})})")

@@ -86,6 +86,8 @@ def test_both_lease_paths_issue_the_loops_min_version(staleness):
     svc.peers["node"] = PeerRecord("node", _cap(), now, now)
 
     svc.peers["older"] = PeerRecord("older", _cap(), now, now)  # one lease per new peer (admission)
+    for v in range(want, published + 1):  # a learner with κ = 1 published (and holds) each of these
+        svc.note_published(v)
 
     async def ask(version: int, peer: str = "node"):
         return await svc.on_lease(LeaseRequest(run_id="run-1", version=version, max_prompts=2),
@@ -178,3 +180,22 @@ def test_eval_is_one_fixed_sample_of_the_held_out_set(tiny, tmp_path):
     full2, _ = loop.evaluate(full=True)
     _, n_part = loop.evaluate(full=False)
     assert full1 == full2 and n_full == len(loop.task.eval_prompts()) == 16 and n_part == 4
+
+
+def test_a_version_the_learner_does_not_hold_is_deferred_to_its_newest():
+    """After a resume the learner holds only what it published since; a node still at an older
+    (in-window) version is told to update instead of being leased work that would be refused."""
+    task = _loops(2, None)[0].task
+    svc = LearnerService(Identity.generate(), "run-1", task, tokenizer=None, buffer=StalenessBuffer(2),
+                         policy=LeasePolicy(staleness=2), vocab_size=100, version=lambda: 9, published=9)
+    svc.note_published(9)
+    now = time.monotonic()
+    svc.peers["node"] = PeerRecord("node", _cap(), now, now)
+
+    async def ask(version: int):
+        return await svc.on_lease(LeaseRequest(run_id="run-1", version=version, max_prompts=2),
+                                  RequestContext("node", "lease", now))
+
+    got = trio.run(ask, 8)
+    assert isinstance(got, LeaseDeferred) and got.reason == "weights_too_old" and got.want_version == 9
+    assert isinstance(trio.run(ask, 9), Lease)
