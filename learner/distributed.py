@@ -243,6 +243,12 @@ def _init_group(store: Any, device: str, rank: int, world: int, timeout_s: float
 
 
 # --- rank 0 ------------------------------------------------------------------------------------
+def data_parallel(trainer: GRPOTrainer, model_source: str | Path, nproc: int, seed: int = 0) -> Any:
+    """``trainer`` itself for one process, else a :class:`DistributedGRPO` training it on
+    ``nproc`` ranks; both have the same interface, ``close()`` included."""
+    return trainer if nproc <= 1 else DistributedGRPO(trainer, model_source, nproc, seed)
+
+
 class DistributedGRPO:
     """Rank 0's :class:`GRPOTrainer` trained data-parallel with ``nproc - 1`` worker processes.
 
@@ -279,6 +285,8 @@ class DistributedGRPO:
         except BaseException:
             self.close()
             raise
+        print(f"echorl: learner data-parallel on {nproc} ranks ({dist.get_backend()}), worker pids "
+              f"{[p.pid for p in self.procs]}", file=sys.stderr, flush=True)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

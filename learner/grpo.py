@@ -334,3 +334,6 @@ class GRPOTrainer:
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
+
+    def close(self) -> None:
+        """Nothing to release in one process (``DistributedGRPO.close`` stops its worker ranks)."""

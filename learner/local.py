@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         task = load_task(cfg.task, **cfg.task_options)  # TaskError is a ValueError
         cfg.check_model()
         device = cfg.pin_device()
+        from echorl.learner.distributed import check_world
+
+        check_world(cfg.device, cfg.nproc)
     except ValueError as exc:
         config.fail("train-local", exc)
         return 2
@@ -66,6 +69,7 @@ class _Loop:
         from echorl.actor.model import build_default_model
         from echorl.actor.types import SamplingParams
         from echorl.learner.buffer import StalenessBuffer
+        from echorl.learner.distributed import data_parallel
         from echorl.learner.grpo import GRPOConfig, GRPOTrainer
         from echorl.tasks.env import env_options_of
 
@@ -75,7 +79,7 @@ class _Loop:
         self.model_dir = Path(a.model) if a.model else build_default_model(seed=a.seed)
         cfg = GRPOConfig(lr=a.lr, clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
                          loss_norm=a.loss_norm, temperature=a.temperature, device=a.device, dtype=a.dtype)
-        self.trainer = GRPOTrainer(self.model_dir, cfg)
+        self.trainer = data_parallel(GRPOTrainer(self.model_dir, cfg), self.model_dir, a.nproc, a.seed)
         from transformers import AutoTokenizer
 
         from echorl.learner.replay import group_scorer
@@ -241,6 +245,7 @@ class _Loop:
             self._train(emit, console, t_start)
         finally:
             self.stop_actors()
+            self.trainer.close()
             if out:
                 out.close()
             if self._tmp:

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
             raise config.ConfigError("--resume needs --checkpoint-dir")
         _check_task_and_model(cfg)  # TaskError is a ValueError
         device = cfg.pin_device()
+        from echorl.learner.distributed import check_world
+
+        check_world(cfg.device, cfg.nproc)
     except ValueError as exc:
         config.fail("learner", exc)
         return 2

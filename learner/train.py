@@ -79,6 +79,7 @@ class Trainer:
         from echorl.actor.device import resolve_device
         from echorl.actor.model import build_default_model
         from echorl.learner.buffer import StalenessBuffer
+        from echorl.learner.distributed import data_parallel
         from echorl.learner.grpo import GRPOConfig, GRPOTrainer
         from echorl.tasks import load_task
 
@@ -89,7 +90,7 @@ class Trainer:
         backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)
         gcfg = GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, temperature=cfg.temperature, device=device,
                           dtype=dtype)
-        grpo = GRPOTrainer(backend.model, gcfg)
+        grpo = data_parallel(GRPOTrainer(backend.model, gcfg), model_dir, cfg.nproc, cfg.seed)
         from echorl.learner.replay import group_scorer
 
         replay = group_scorer(task, backend.tokenizer)  # episodic tasks: rewards come from replaying the episodes
@@ -146,6 +147,7 @@ class Trainer:
     def close(self) -> None:
         if self.metrics_file is not None:
             self.metrics_file.close()
+        self.grpo.close()
 
     def evaluate(self) -> float:
         """Mean task reward of one sampled completion per held-out prompt (fixed seed)."""

@@ -5,9 +5,12 @@ Real worker processes over gloo on loopback, the tiny untrained default model, a
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -165,3 +168,24 @@ def test_split_shares_balances_whole_groups():
     loads = [sum(len(prep.rows[i][1]) for i in s) for s in shares]
     assert sorted(loads) == [18, 19] and all(s == sorted(s) for s in shares)
     assert split_shares(prep, 6)[5] == [] and sum(map(len, split_shares(prep, 6))) == len(prep.rows)
+
+
+def _train_local(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "echorl.cli", "train-local", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def test_train_local_nproc_flag_is_bounded():
+    r = _train_local("--nproc", "0", timeout=60)
+    assert r.returncode == 2 and "--nproc (nproc): Input should be greater than or equal to 1" in r.stderr, r.stderr
+
+
+def test_train_local_with_two_ranks(model_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = _train_local("--nproc", "2", "--steps", "2", "--model", str(model_dir), "--device", "cpu", "--actors", "1",
+                     "--prompts-per-step", "2", "--group-size", "2", "--lease-prompts", "2", "--eval-every", "2",
+                     "--task-option", "n_eval=4", "--actor-delay", "0", "--quiet", "--metrics-out", str(metrics))
+    assert r.returncode == 0, r.stderr
+    assert "learner data-parallel on 2 ranks (gloo)" in r.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2] and all(row["loss"] is not None for row in rows[1:])
