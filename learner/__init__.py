@@ -4,7 +4,8 @@ RL core (no network): ``grpo.py`` (``GRPOTrainer``, ``GRPOConfig``: the clipped 
 per-token behaviour log-probs), ``buffer.py`` (``StalenessBuffer``: accepts a rollout group only
 if t − b ≤ S, scores it off the event loop), ``checkpoint.py`` (atomic checkpoints: model,
 optimizer, version, RNG, task cursor, pending prompts), ``local.py`` (``echorl train-local``:
-the same GRPO with actor worker processes and no network).
+the same GRPO with actor worker processes and no network), ``distributed.py``
+(``DistributedGRPO``: the GRPO step data-parallel over ``--nproc`` ranks, the same interface).
 
 The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
 typed settings), ``peer.py`` (startup wiring),

@@ -435,10 +435,15 @@ def _next_command(store: Any, seq: int) -> tuple[str, Any]:
 
 
 def worker_main(spec: WorkerSpec) -> int:
-    """Rank ``$RANK`` of ``$WORLD_SIZE``: build the replica, then follow rank 0's commands."""
+    """Rank ``$RANK`` of ``$WORLD_SIZE``: build the replica, then follow rank 0's commands.
+    Ctrl-C reaches the whole process group: only rank 0 acts on it (it finishes the step it is
+    in, checkpoints, then sends "stop"), so a worker ignores SIGINT."""
+    import signal
+
     import torch
     import torch.distributed as dist
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
@@ -478,10 +483,7 @@ def main(argv: list[str] | None = None) -> int:
               " (started by DistributedGRPO, not by hand)", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        return worker_main(WorkerSpec.from_json(argv[0]))
-    except KeyboardInterrupt:
-        return 130
+    return worker_main(WorkerSpec.from_json(argv[0]))
 
 
 if __name__ == "__main__":

@@ -189,3 +189,17 @@ def test_train_local_with_two_ranks(model_dir, tmp_path):
     assert "learner data-parallel on 2 ranks (gloo)" in r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2] and all(row["loss"] is not None for row in rows[1:])
+
+
+def test_learner_peer_with_two_ranks(swarm):
+    """``echorl learner --nproc 2``: rank 0 serves the network from trio and trains with a worker."""
+    swarm.start_learner("--steps", "3", "--staleness", "1", "--eval-every", "3", "--eval-prompts", "8",
+                        "--nproc", "2", "--device", "cpu", timeout=240)
+    node = swarm.start_node("a")
+    swarm.wait_for(lambda: swarm.learner.poll() is not None, what="learner to finish", timeout=300)
+    log = swarm.learner_log.read_text()
+    assert swarm.learner.returncode == 0, log[-3000:]
+    assert "learner data-parallel on 2 ranks (gloo)" in log
+    assert max(r["step"] for r in swarm.metrics()) == 3
+    node.send_signal(signal.SIGTERM)
+    node.wait(timeout=30)
