@@ -8,10 +8,10 @@ Imports ``echorl.protocol`` (manifests, chunks, deltas, plans) and ``echorl.net`
 - ``relay.py``: ``Relay`` (node side: receives chunks from plan parents, verifies each against
   the signed manifest, forwards at once to plan children, rebuilds and applies the version,
   recovers from a stalled parent, catches up).
-- ``chunk_server.py``: the shared core: stream ids of the broadcast routes, ``VersionState``
-  (a version's chunks as they are verified), ``ChunkServer`` (chunk streams to children,
-  catch-up and chunk answers).
-- ``weight_store.py``: ``WeightStore`` (the learner's last S+1 published versions, for direct
-  fetch and spot checks) and ``fetch_weights_bytes`` (a node's fallback pull).
+- ``store.py``: the one store of weight chunks per peer: ``VersionState`` (a version's chunks as
+  they are verified, each held once as the frame body that is forwarded), ``HeldChain`` (verified
+  versions kept for catch-up, the direct fetch and, on the learner, spot checks), ``plan_of``.
+- ``chunk_server.py``: ``ChunkServer`` (chunk streams to children, catch-up and chunk answers,
+  all from the store).
 - ``relay_process.py``: a bare relay as an OS process (benchmarks and tests).
 """

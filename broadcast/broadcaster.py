@@ -4,9 +4,9 @@ Integration contract
 --------------------
 Learner (one per run)::
 
-    bc = Broadcaster(host, identity, run_id, fanout=4, chunk_bytes=256 * KiB, full_every=10,
-                     upload_limit=UploadLimiter.from_mbps(mbps),   # or bytes/s, or None = no cap
-                     shape="striped", direct=True)
+    bc = Broadcaster(host, identity, run_id, fanout=4, chunk_bytes=limits.DEFAULT_CHUNK_BYTES,
+                     full_every=10, upload_limit=UploadLimiter.from_mbps(mbps),  # or bytes/s, or None
+                     shape="striped", direct=True, retain=S)  # keep versions ≥ newest − S rebuildable
     bc.install()                                   # routes on the learner's Host
     await nursery.start(bc.run)                    # the direct TCP chunk port (optional)
     report = await bc.publish(version, safetensors_bytes,
@@ -14,6 +14,8 @@ Learner (one per run)::
                               timeout=None)        # default done_timeout_s
     # -> BroadcastReport(version, seconds, bytes, kind, ...): seconds = announce → last node
     #    verified; bytes = payload bytes (delta or full); kind = "full" | "delta"
+    bc.version_bytes(version)                      # a held version's safetensors file (spot checks;
+                                                   # pure computation: call it in a worker thread)
 
 ``publish`` builds the payload (a delta against the previous published version, a full snapshot
 every ``full_every`` versions or when the tensor layout changes), signs a manifest and a plan
@@ -30,12 +32,19 @@ so consecutive versions use the same edges and reuse connections.
 Node: see ``broadcast/relay.py`` (``Relay(host, learner_peer_id, run_id, on_version=...)``,
 ``install()``, ``await run()`` in a nursery, ``await catch_up()``).
 
-Protocols (all libp2p; chunk streams are raw framed streams, the rest request/response)::
+The learner holds each published version once, in the store both ends use
+(``broadcast/store.py``): the chunks of the versions in flight and the held chain (newest full
+snapshot + deltas, and older runs while a version within ``retain`` of the newest needs them).
+The same chunks serve the plan streams, recovery, catch-up and a node's direct fetch (a catch-up
+from the learner alone); ``version_bytes`` rebuilds any held version for the spot checker.
+
+Protocols: ``protocol/routes.py`` (all libp2p; chunk streams are raw framed streams, the rest
+request/response)::
 
     /echorl/bcast/announce/1  PlanAnnounce -> BroadcastAck            learner -> node
     /echorl/bcast/stream/1    Subscribe, then Chunk frames            child dials parent
-    /echorl/bcast/chunk/1     ChunkRequest -> Chunk                   any holder (recovery)
-    /echorl/bcast/catchup/1   CatchUpRequest -> CatchUp               any holder (late joiner)
+    /echorl/bcast/chunk/1     ChunkRequest -> Chunk                   any holder (recovery, catch-up)
+    /echorl/bcast/catchup/1   CatchUpRequest -> CatchUp               any holder (late joiner, fallback)
     /echorl/bcast/done/1      BroadcastDone -> BroadcastAck           node -> learner
     /echorl/bcast/ticket/1    Subscribe -> StreamTicket               child -> parent (direct path)
 
@@ -63,21 +72,14 @@ from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import BroadcastAck, BroadcastDone, Chunk, Manifest, Message, PlanAnnounce, PlanMember
+from echorl.protocol.routes import ANNOUNCE, DONE
 
+from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
+from echorl.broadcast.store import VersionState
 from echorl.net.host import Host, PeerUnavailable, RequestContext
-from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter
-from echorl.broadcast.chunk_server import (  # re-exported: see __all__
-    ANNOUNCE, CATCHUP, CHUNK, CHUNK_RATE, DEFAULT_CHUNK_BYTES, DONE, STREAM, TICKET, ChunkServer,
-    VersionState, _as_limiter, _listen_ip, plan_of,
-)
 
 log = logging.getLogger("echorl.broadcast.broadcaster")
-
-__all__ = [
-    "ANNOUNCE", "CATCHUP", "CHUNK", "CHUNK_RATE", "DEFAULT_CHUNK_BYTES", "DONE", "STREAM", "TICKET",
-    "BroadcastReport", "Broadcaster", "ChunkServer", "NodeInfo", "VersionState", "plan_of",
-]
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,11 @@ class Broadcaster:
     """The learner's publisher. ``upload_limit``: an ``UploadLimiter`` or bytes/s (None = no cap)."""
 
     def __init__(self, host: Host, identity: Identity, run_id: str, *, fanout: int = 4,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, full_every: int = 10,
+                 chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES, full_every: int = 10,
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 600.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
-                 liveness_misses: int = 2) -> None:
+                 liveness_misses: int = 2, retain: int = 0) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -128,19 +130,27 @@ class Broadcaster:
         self.announce_timeout_s = announce_timeout_s
         self.done_timeout_s = done_timeout_s
         self.limiter = _as_limiter(upload_limit)
-        self.server = ChunkServer(host, run_id, self.limiter, keep=keep, direct=direct)
-        self._prev: tuple[int, bytes] | None = None  # (version, safetensors bytes) last published
+        self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct)
+        # (version, safetensors bytes) last published; the bytes only for a delta (a full
+        # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
+        self._prev: tuple[int, bytes | None] | None = None
         self._since_full = 0
         self._done: dict[int, dict[str, BroadcastDone]] = {}
         self._done_changed = trio.Event()
         self._demote: set[str] = set()  # reported but completed: leaves next time
         self._drop: set[str] = set()  # reported and did not complete: left out next time
-        self.reports: list[BroadcastReport] = []
 
     def install(self) -> None:
         self.server.install_serving()
-        self.host.route(DONE, self._on_done, request=BroadcastDone, max_request_bytes=16 * limits.KiB,
-                        rate=RateLimit(50.0, 200.0))
+        self.host.serve({DONE: self._on_done})
+
+    def version_bytes(self, version: int) -> bytes | None:
+        """A held version's safetensors file (None if no longer held). Thread-safe; may apply
+        deltas: call it in a worker thread."""
+        prev = self._prev
+        if prev is not None and prev[0] == version and prev[1] is not None:
+            return prev[1]
+        return self.server.chain.version_bytes(version)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Background service (the direct TCP chunk port); ``await nursery.start(bc.run)``."""
@@ -174,7 +184,7 @@ class Broadcaster:
             per[ctx.peer_id] = msg
             self._done_changed.set()
             self._done_changed = trio.Event()
-        return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.held_version)
+        return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
 
     async def _build(self, version: int, data: bytes) -> tuple[Manifest, list[bytes], list[bytes]]:
         prev = self._prev
@@ -182,9 +192,12 @@ class Broadcaster:
 
         def build() -> tuple[Manifest, list[bytes], list[bytes]]:
             payload, kind, base = data, "full", -1
+            base_bytes = None
             if prev is not None and self._since_full + 1 < self.full_every:
+                base_bytes = self.version_bytes(prev[0])
+            if prev is not None and base_bytes is not None:
                 try:
-                    d = delta_mod.encode_delta(prev[1], data)
+                    d = delta_mod.encode_delta(base_bytes, data)
                     if len(d) < len(data):
                         payload, kind, base = d, "delta", prev[0]
                 except ValueError:  # layout changed: full snapshot
@@ -208,7 +221,7 @@ class Broadcaster:
         manifest, chunks, bodies = await self._build(version, safetensors_bytes)
         build_seconds = time.perf_counter() - t_build
         self._since_full = 0 if manifest.kind == "full" else self._since_full + 1
-        self._prev = (version, safetensors_bytes)
+        self._prev = (version, safetensors_bytes if manifest.kind == "delta" else None)
 
         members = []
         for n in nodes:
@@ -225,9 +238,10 @@ class Broadcaster:
             learner_addrs=self.host.addrs[:16], members=members, created_at=time.time()), self.identity)
         state = VersionState(ann, self.host.peer_id)
         for ref, c, body in zip(manifest.chunks, chunks, bodies):
-            state.put(ref.digest, c, body)
+            state.put(ref.digest, c, body)  # the body is kept, its bytes are a view into it
+        del chunks, bodies
         self.server.add_state(state)
-        self.server.hold(manifest, {ref.digest: c for ref, c in zip(manifest.chunks, chunks)})
+        self.server.chain.hold(manifest, state.chunks())
         self._done[version] = {}
         while len(self._done) > 8:
             self._done.pop(next(iter(self._done)))
@@ -263,11 +277,9 @@ class Broadcaster:
         for s in suspects:
             (self._demote if s in completed else self._drop).add(s)
         self._drop |= gone - set(completed)  # dead: left out of the next plan (the caller's node set may re-add them later)
-        report = BroadcastReport(
+        return BroadcastReport(
             version=version, seconds=seconds, bytes=manifest.payload_bytes, kind=manifest.kind,
             result_bytes=manifest.result_bytes, build_seconds=build_seconds, depth=state.plan.depth,
             nodes=len(members), completed=completed, missing=missing, suspects=suspects,
             recovered_chunks=sum(d.recovered_chunks for d in done.values()),
             node_seconds={p: d.seconds for p, d in done.items()})
-        self.reports.append(report)
-        return report

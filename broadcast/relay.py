@@ -11,7 +11,6 @@ Contract (see also ``broadcast/broadcaster.py``)::
     await relay.catch_up()                           # late joiner / missed versions: newest full
                                                      # snapshot + deltas from any holder
     relay.version, relay.result                      # newest fully verified version and its bytes
-    relay.log                                        # per version: ok, seconds, recovered, suspects
 
 ``on_version`` runs on the trio loop after the version is verified and reported to the learner:
 a sync callback must be quick (hand heavy work such as ``load_state_dict`` to a thread); an
@@ -38,7 +37,6 @@ from typing import Any
 
 import trio
 
-from echorl.protocol import delta as delta_mod
 from echorl.protocol import snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import (
@@ -46,42 +44,17 @@ from echorl.protocol.messages import (
     PlanAnnounce, StreamTicket, Subscribe,
 )
 
-from echorl.broadcast.chunk_server import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET, ChunkServer, VersionState, _listen_ip
+from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
+
+from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
+from echorl.broadcast.store import VersionState, payload_chunks, rebuild_version
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
-from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
 
 log = logging.getLogger("echorl.broadcast.relay")
 
 VersionCallback = Callable[[int, bytes], Any]
 INLINE_HASH_BYTES = 512 * 1024  # chunks up to this size are hashed on the loop (< 0.5 ms)
-
-
-def rebuild_version(manifest: Manifest, payload: bytes, base: bytes | None) -> bytes:
-    """The version's safetensors file from a verified payload (a full file, or a delta applied
-    to ``base``), checked bit for bit against the manifest. Raises ``ProtocolError``."""
-    if manifest.kind == "full":
-        result = payload
-    elif base is None:
-        raise ProtocolError(ErrorCode.BAD_MANIFEST, f"delta v{manifest.version} needs its base version")
-    else:
-        result = delta_mod.apply_delta(base, payload)
-    snapshot.verify_result(manifest, result)
-    return result
-
-
-def _payload_chunks(manifest: Manifest, payload: bytes) -> dict[bytes, bytes] | None:
-    """``payload`` cut into the manifest's chunks, each checked against its digest; None if
-    it does not match (then nothing is served from it)."""
-    chunks: dict[bytes, bytes] = {}
-    offset = 0
-    for ref in manifest.chunks:
-        piece = payload[offset:offset + ref.size]
-        if snapshot.digest(piece) != ref.digest:
-            return None
-        chunks[ref.digest] = piece
-        offset += ref.size
-    return chunks if offset == len(payload) else None
 
 
 class Relay:
@@ -104,13 +77,11 @@ class Relay:
         self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[PlanAnnounce](16)
         self._apply_lock = trio.Lock()
-        self.log: list[dict] = []  # one entry per version outcome
 
     # --- wiring ---------------------------------------------------------------------------------
     def install(self) -> None:
         self.server.install_serving()
-        self.host.route(ANNOUNCE, self._on_announce, request=PlanAnnounce, max_request_bytes=16 * 1024 * 1024,
-                        rate=RateLimit(20.0, 50.0))
+        self.host.serve({ANNOUNCE: self._on_announce})
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -173,13 +144,11 @@ class Relay:
                     nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
         new = False
         if state.complete:
-            ok, detail, new = await self._apply(state.manifest, state.payload(), {ref.digest: state.get_by_digest(ref.digest) for ref in state.manifest.chunks})
+            ok, detail, new = await self._apply(state.manifest, state.payload(), state.chunks())
         else:
             detail = f"{sum(d is None for d in state.data)} chunks missing at deadline"
         seconds = time.perf_counter() - t0
         state.done.set()
-        self.log.append({"version": ann.version, "ok": ok, "seconds": seconds, "recovered": recovered[0],
-                         "suspects": sorted(suspects), "detail": detail})
         done = BroadcastDone(run_id=self.run_id, version=ann.version, ok=ok, seconds=seconds,
                              recovered_chunks=recovered[0], suspects=sorted(suspects)[:64], detail=detail[:1000])
         for _ in range(3):
@@ -278,7 +247,7 @@ class Relay:
 
     # --- applying -------------------------------------------------------------------------------
     async def _apply(self, manifest: Manifest, payload: bytes,
-                     chunks: dict[bytes, bytes]) -> tuple[bool, str, bool]:
+                     chunks: dict[bytes, memoryview]) -> tuple[bool, str, bool]:
         """Verify and apply a complete payload: (ok = we hold ``manifest.version`` or newer,
         detail, new = ``self.version`` changed)."""
         async with self._apply_lock:
@@ -298,7 +267,7 @@ class Relay:
             except ProtocolError as exc:
                 return False, f"verification failed: {exc}", self.version != before
             self.version, self.result = manifest.version, result
-            self.server.hold(manifest, chunks)
+            self.server.chain.hold(manifest, chunks)
             return True, "", True
 
     async def _deliver(self) -> None:
@@ -317,35 +286,39 @@ class Relay:
                 return False
             self.version, self.result = version, result
             if manifest is not None and manifest.kind == "full" and manifest.version == version:
-                chunks = await trio.to_thread.run_sync(_payload_chunks, manifest, result)
+                chunks = await trio.to_thread.run_sync(payload_chunks, manifest, result)
                 if chunks is not None:
-                    self.server.hold(manifest, chunks)
+                    self.server.chain.hold(manifest, chunks)
             return True
 
     def reset(self, learner_peer_id: str) -> None:
         """Forget every version (the learner restarted from an older checkpoint, or changed)."""
         self.learner = learner_peer_id
         self.version, self.result = -1, None
-        self.server.chain = []
+        self.server.chain.clear()
         self.server.states.clear()
         self.known_peers.clear()
 
     # --- catch-up -------------------------------------------------------------------------------
-    async def catch_up(self, sources: list[str] | None = None, timeout: float = 300.0) -> int:
+    async def catch_up(self, sources: list[str] | None = None, timeout: float = 300.0, *,
+                       only: bool = False) -> int:
         """Reach the newest version any holder has: its chain (newest full snapshot + deltas,
         or only the deltas after our version), chunks fetched from any holder, each version
         verified before use; ``on_version`` is called for the newest one reached. Returns the
-        version held afterwards."""
+        version held afterwards. ``sources`` are asked first, then known peers and the learner;
+        with ``only``, nobody else (``[learner]``: the direct fetch from the learner's store)."""
         before = self.version
         async with self._apply_lock:
-            await self._catch_up(sources, timeout)
+            await self._catch_up(sources, timeout, only)
         if self.version != before:
             await self._deliver()  # on_version for the newest version reached
         return self.version
 
-    async def _catch_up(self, sources: list[str] | None, timeout: float) -> int:
-        candidates = list(sources or []) + [p for p in self.known_peers if p not in (sources or [])]
-        candidates = list(dict.fromkeys(candidates + [self.learner]))
+    async def _catch_up(self, sources: list[str] | None, timeout: float, only: bool = False) -> int:
+        candidates = list(sources or [])
+        if not only:
+            candidates += [p for p in self.known_peers if p not in candidates] + [self.learner]
+        candidates = list(dict.fromkeys(candidates))
         with trio.move_on_after(timeout):
             for src in candidates:
                 try:
@@ -400,5 +373,5 @@ class Relay:
                 log.warning("catch-up v%d failed verification: %s", m.version, exc)
                 return False
             self.version, self.result = m.version, result
-            self.server.hold(m, chunks)  # type: ignore[arg-type]
+            self.server.chain.hold(m, chunks)  # type: ignore[arg-type]
         return self.version > start

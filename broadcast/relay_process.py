@@ -1,7 +1,9 @@
 """One broadcast relay peer as an OS process (benchmarks and tests): a libp2p host with a
 ``Relay`` and no torch, printing one JSON event per line on stdout.
 
-    python -m echorl.broadcast.relay_process --learner MULTIADDR --run-id RUN [--tamper] ...
+    python -m echorl.broadcast.relay_process --learner MULTIADDR --run-id RUN [--catch-up] ...
+
+``main(relay_class=...)`` runs another ``Relay`` subclass the same way (the tests' tampering relay).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _emit(obj: dict) -> None:
     sys.stdout.flush()
 
 
-async def _main(args: argparse.Namespace) -> None:
+async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> None:
     from echorl.protocol.identity import Identity
 
     from echorl.net.host import HostConfig, open_host
@@ -39,10 +41,9 @@ async def _main(args: argparse.Namespace) -> None:
             _emit({"event": "version", "version": version, "digest": snapshot.digest(data).hex(),
                    "bytes": len(data), "t": time.time()})
 
-        relay = Relay(host, learner_id, args.run_id, on_version=on_version,
+        relay = relay_class(host, learner_id, args.run_id, on_version=on_version,
                       upload_limit=UploadLimiter.from_mbps(args.upload_mbps), stall_s=args.stall_s,
                       direct=not args.no_direct)
-        relay.server.tamper = args.tamper
         relay.install()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(relay.run)
@@ -62,14 +63,13 @@ async def _main(args: argparse.Namespace) -> None:
             nursery.cancel_scope.cancel()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, relay_class: type[Relay] = Relay) -> None:
     ap = argparse.ArgumentParser(description="run one broadcast relay peer (bench/tests)")
     ap.add_argument("--learner", required=True, help="learner multiaddr /ip4/…/tcp/…/p2p/<id>")
     ap.add_argument("--run-id", default="bench")
     ap.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
     ap.add_argument("--upload-mbps", type=float, default=0.0)
     ap.add_argument("--stall-s", type=float, default=10.0)
-    ap.add_argument("--tamper", action="store_true", help="malicious: alter every chunk forwarded")
     ap.add_argument("--catch-up", action="store_true")
     ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only")
     ap.add_argument("--source", action="append", default=[], help="peer multiaddr to catch up from")
@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     if profile:
         import cProfile
 
-        cProfile.runctx("trio.run(_main, args)", globals(), {"trio": trio, "_main": _main, "args": args},
+        cProfile.runctx("trio.run(_main, args, relay_class)", globals(),
+                        {"trio": trio, "_main": _main, "args": args, "relay_class": relay_class},
                         os.path.join(profile, f"relay-{os.getpid()}.prof"))
     else:
-        trio.run(_main, args)
+        trio.run(_main, args, relay_class)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 async def fetch_status(host: Any, membership: Any, bootstrap: str, run_id: str) -> dict[str, Any]:
     from echorl.protocol.messages import Status, StatusRequest
 
-    from echorl.net import routes
+    from echorl.protocol import routes
     from echorl.net.membership import find_learner
 
     learner = await find_learner(host, bootstrap, run_id, membership)

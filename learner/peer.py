@@ -5,14 +5,14 @@ Kademlia server (first bootstrap peer, signed learner record), serves join/lease
 status, and trains one step each time ``prompts_per_step`` fresh groups are buffered. Every κ-th
 version (``publish_every``) goes out through the pipelined broadcast (``broadcast/broadcaster.py``:
 deltas, a full snapshot every ``full_every`` publications) from a publication task that runs
-beside training; the same bytes stay available to the direct fetch (``broadcast/weight_store.py``) as
-the nodes' fallback. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
+beside training; the broadcaster's one chunk store also serves catch-up and the nodes' direct
+fetch. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
 newest completed broadcast and the provisioning rule of DESIGN §7:
 required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
 
 A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed
-with the snapshot of the claimed version (``learner/spot_check.py``; the weight store keeps the last
-S+1 published versions for it); a mismatch refuses the submission with ``logprob_mismatch`` and
+with the snapshot of the claimed version (``learner/spot_check.py``; the broadcaster's store keeps
+every version within S of the newest rebuildable for it); a mismatch refuses the submission with ``logprob_mismatch`` and
 flags the peer, whose submissions are then all checked; after ``spot_check_ban_after`` (3)
 mismatches it is refused leases.
 
@@ -86,7 +86,6 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     from echorl.learner.resume import redial, restore_service, service_state
     from echorl.learner.service import LearnerService, LeasePolicy
     from echorl.net.transport import UploadLimiter
-    from echorl.broadcast.weight_store import WeightStore
 
     identity = _identity(cfg)
     trainer = await trio.to_thread.run_sync(Trainer.build, cfg)
@@ -99,20 +98,16 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     service.version = service.published = trainer.grpo.version
     service.required_fn = trainer.required_rollouts_per_s
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
-    # the last S+1 published versions: every behaviour version still acceptable (t − b ≤ S) has
-    # its snapshot at hand for spot checks (and for the nodes' fallback fetch)
-    store = WeightStore(identity, cfg.run_id, keep=max(2, cfg.staleness + 1), upload_limit=limiter)
     if cfg.spot_check_fraction > 0:
-        service.spot = await _spot_checker(cfg, trainer, store)
+        service.spot = await _spot_checker(cfg, trainer)
         service.ban_after = cfg.spot_check_ban_after
     remembered = restore_service(service, trainer.resume_extra.get("service", {}))
     trainer.service_state = lambda: service_state(service)
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
             service.install(host)
-            store.install(host)
             async with trio.open_nursery() as nursery:
-                publisher = await _start_publishing(cfg, host, identity, trainer, service, store, limiter, nursery)
+                publisher = await _start_publishing(cfg, host, identity, trainer, service, limiter, nursery)
                 membership = await _announce(cfg, host, nursery, task_status)
                 nursery.start_soon(service.maintain)
                 nursery.start_soon(redial, host, remembered)  # nodes that knew our old address
@@ -127,17 +122,18 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
         trainer.close()
 
 
-async def _spot_checker(cfg: LearnerConfig, trainer: Any, store: Any) -> Any:
-    """Spot checker over the snapshots held by the weight store and a scratch copy of the
-    model, taken now (in a worker thread), before training starts: the checker never touches
-    the trainer's model, and nothing is loaded from disk while another thread trains."""
+async def _spot_checker(cfg: LearnerConfig, trainer: Any) -> Any:
+    """Spot checker over a scratch copy of the model, taken now (in a worker thread), before
+    training starts: the checker never touches the trainer's model, and nothing is loaded from
+    disk while another thread trains. Its snapshots come from the broadcaster's store, bound
+    in ``_start_publishing`` before the first version is published."""
     import copy
 
-    from echorl.learner.spot_check import SpotChecker, store_snapshots
+    from echorl.learner.spot_check import SpotChecker
 
     scratch = await trio.to_thread.run_sync(lambda: copy.deepcopy(trainer.grpo.model))
     return SpotChecker(lambda: scratch, trainer.tokenizer, trainer.sampling_spec().temperature,
-                       cfg.spot_check_fraction, store_snapshots(store), tolerance_mean=cfg.spot_check_tolerance_mean,
+                       cfg.spot_check_fraction, lambda version: None, tolerance_mean=cfg.spot_check_tolerance_mean,
                        tolerance_max=cfg.spot_check_tolerance_max)
 
 
@@ -166,7 +162,7 @@ async def _resume(cfg: LearnerConfig, trainer: Any) -> None:
              len(trainer.buffer.pending_prompts()))
 
 
-async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, trainer: Any, service: Any, store: Any,
+async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, trainer: Any, service: Any,
                             limiter: Any, nursery: trio.Nursery) -> Any:
     """Broadcaster + publication task; the current version (0, or the resumed one) is
     published as a full snapshot before any node can join."""
@@ -175,10 +171,12 @@ async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, traine
 
     bc = Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
                      full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
-                     done_timeout_s=cfg.broadcast_timeout_s)
+                     done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness)
+    if service.spot is not None:  # every version a rollout may still claim (t − b ≤ S) is rebuildable
+        service.spot.snapshots = bc.version_bytes
     bc.install()
     await nursery.start(bc.run)
-    publisher = Publisher(bc, store, service, timeout_s=cfg.broadcast_timeout_s, on_record=trainer.on_broadcast)
+    publisher = Publisher(bc, service, timeout_s=cfg.broadcast_timeout_s, on_record=trainer.on_broadcast)
     await publisher.publish(trainer.grpo.version, await trio.to_thread.run_sync(trainer.grpo.state_dict))
     await nursery.start(publisher.run)
     return publisher

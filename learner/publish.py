@@ -1,5 +1,6 @@
 """The learner's publication task: broadcasts the newest trained version to the joined nodes
-while training goes on (DESIGN §6–7), and holds it for the direct-fetch fallback.
+while training goes on (DESIGN §6–7); the broadcaster's store then holds it for catch-up, the
+nodes' direct fetch and spot checks.
 
 The training loop only *offers* a version (a detached copy of the weights, every κ steps); this
 task, in the learner's nursery, publishes the newest offered version as soon as the previous
@@ -23,7 +24,6 @@ from echorl.protocol import snapshot
 if TYPE_CHECKING:
     from echorl.broadcast.broadcaster import Broadcaster
     from echorl.learner.service import LearnerService
-    from echorl.broadcast.weight_store import WeightStore
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -36,7 +36,7 @@ class BroadcastRecord:
     kind: str  # "full" | "delta"
     seconds: float  # announce → last node verified (BroadcastReport.seconds)
     build_seconds: float  # delta encoding + hashing + signing
-    serialize_seconds: float  # state dict → safetensors + the fallback store's manifest
+    serialize_seconds: float  # state dict → safetensors
     bytes: int  # payload bytes sent (delta or full)
     result_bytes: int  # the version's safetensors size
     nodes: int
@@ -57,10 +57,9 @@ class BroadcastRecord:
 
 
 class Publisher:
-    def __init__(self, broadcaster: "Broadcaster", store: "WeightStore", service: "LearnerService", *,
+    def __init__(self, broadcaster: "Broadcaster", service: "LearnerService", *,
                  timeout_s: float = 120.0, on_record: Callable[[BroadcastRecord], None] | None = None) -> None:
         self.bc = broadcaster
-        self.store = store
         self.service = service
         self.timeout_s = timeout_s
         self.on_record = on_record
@@ -104,10 +103,9 @@ class Publisher:
         return self._idle.is_set()
 
     async def publish(self, version: int, state_dict: dict[str, Any]) -> BroadcastRecord:
-        """Serialise, hold for the fallback fetch, broadcast to the joined nodes, record."""
+        """Serialise, broadcast to the joined nodes (the broadcaster's store keeps it), record."""
         t0 = time.perf_counter()
         data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
-        await self.store.publish_bytes(version, data)
         serialize_s = time.perf_counter() - t0
         self.service.published = max(self.service.published, version)
         report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)

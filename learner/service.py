@@ -10,8 +10,8 @@ rewards by the task verifier, for episodes by replay (``env_mismatch``, ``learne
 counted against the peer like a log-prob mismatch). Accepted groups go to the ``StalenessBuffer``.
 
 Spot checks: a random ``fraction`` of submissions (every submission of a flagged peer) is
-recomputed with the snapshot of the claimed behaviour version (the learner's ``WeightStore``
-keeps the last S+1 published versions); if that snapshot is gone the check is skipped and
+recomputed with the snapshot of the claimed behaviour version (the broadcaster's store keeps
+every version within S of the newest); if that snapshot is gone the check is skipped and
 counted (``spot_checks_skipped``). A mismatch beyond tolerance settles the lease as refused
 (its prompts are re-queued), counts ``rollouts_rejected_logprob`` (submissions), flags the
 peer (from then on all its submissions are checked) and answers ``logprob_mismatch``. After
@@ -56,7 +56,7 @@ from echorl.protocol.messages import (
 )
 from echorl.tasks.env import is_episodic
 
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
@@ -172,13 +172,8 @@ class LearnerService:
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
         self.host = host
-        for proto, handler, req in (
-            (routes.JOIN, self.on_join, JoinRequest), (routes.LEASE, self.on_lease, LeaseRequest),
-            (routes.SUBMIT, self.on_submit, Submit), (routes.RETURN, self.on_return, LeaseReturn),
-            (routes.STATUS, self.on_status, StatusRequest),
-        ):
-            host.route(proto, handler, request=req, max_request_bytes=routes.MAX_REQUEST_BYTES[proto],
-                       rate=routes.RATES[proto])
+        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.on_lease, routes.SUBMIT: self.on_submit,
+                    routes.RETURN: self.on_return, routes.STATUS: self.on_status})
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
         rec = self.peers.get(ctx.peer_id)

@@ -43,8 +43,6 @@ import trio
 if TYPE_CHECKING:
     from echorl.actor.types import RolloutGroup
 
-    from echorl.broadcast.weight_store import WeightStore
-
 log = logging.getLogger("echorl.node.learner")
 
 Snapshots = Callable[[int], "bytes | None"]
@@ -68,7 +66,8 @@ class SpotChecker:
     that is deep-copied at construction — construct it before training starts, never while
     another thread trains the template. ``snapshots(version)`` returns that version's
     safetensors bytes or None; it is called from the worker thread, so it must be thread-safe
-    (``store_snapshots`` is). ``fraction`` of submissions are checked at random; every
+    (the learner's ``Broadcaster.version_bytes`` is: it rebuilds the version from the one chunk
+    store the broadcast serves from). ``fraction`` of submissions are checked at random; every
     submission of a flagged peer is checked (``flag``).
     """
 
@@ -170,21 +169,3 @@ class SpotChecker:
                     sum_d += float(diff.sum())
                     n += int(diff.numel())
         return max_d, sum_d, n
-
-
-def store_snapshots(store: "WeightStore") -> Snapshots:
-    """``version -> safetensors bytes | None`` over the learner's ``WeightStore`` (it holds the
-    last ``keep`` published versions as a full manifest + content-addressed chunks). Safe to
-    call from a worker thread while the loop publishes: it only does single dict look-ups (atomic
-    under the GIL) and answers None if the version or one of its chunks was evicted meanwhile."""
-
-    def get(version: int) -> bytes | None:
-        pub = store.versions.get(version)
-        if pub is None or pub.manifest.kind != "full":
-            return None
-        parts = [store.chunks.get(ref.digest) for ref in pub.manifest.chunks]
-        if any(p is None for p in parts):
-            return None
-        return b"".join(parts)  # type: ignore[arg-type]
-
-    return get

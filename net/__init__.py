@@ -5,8 +5,8 @@ sit on it.
 
 - ``host.py``: ``Host`` (one libp2p host: routes with request caps, rate limits and deadlines,
   pooled request streams), ``HostConfig``, ``open_host``, ``RemoteError``, ``PeerUnavailable``.
-- ``routes.py``: the control-plane stream ids (join, lease, submit, return, status, manifest,
-  chunk) with their request caps and per-peer rate limits.
+- ``routes.py``: the per-peer rate limit of each stream id (ids, request types and caps are the
+  protocol's: ``protocol/routes.py``; ``Host.serve`` registers a handler table against both).
 - ``framing.py``: length-prefixed frames with deadlines (``read_frame``, ``write_frame``).
 - ``ratelimit.py``: ``RateLimit``, ``TokenBuckets`` (per-peer token buckets, bounded memory).
 - ``transport.py``: ``UploadLimiter`` (one upload cap per process), chunk transports over

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,12 +38,14 @@ from echorl.protocol import limits, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Error, Message
+from echorl.protocol.routes import ROUTES
 
 from echorl.net.framing import (
     STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
     read_frame, reset_quietly, write_message,
 )
 from echorl.net.ratelimit import RateLimit, TokenBuckets
+from echorl.net.routes import RATES
 
 log = logging.getLogger("echorl.net.host")
 
@@ -181,6 +183,14 @@ class Host:
             await self._serve_stream(r, stream)
 
         self.libp2p.set_stream_handler(TProtocol(protocol), _entry)
+
+    def serve(self, handlers: Mapping[str, Handler]) -> None:
+        """Register each ``{stream id: handler}``: the request type and size cap come from the
+        protocol's route table (``protocol/routes.py``), the rate limit from ``net/routes.py``."""
+        for proto, handler in handlers.items():
+            spec = ROUTES[proto]
+            self.route(proto, handler, request=spec.request, max_request_bytes=spec.max_request_bytes,
+                       rate=RATES[proto])
 
     async def _serve_stream(self, route: Route, stream: Any) -> None:
         """Entry point libp2p calls: nothing may escape it (an escaping error kills the host)."""

@@ -1,37 +1,23 @@
-"""Stream protocol IDs of the echorl network plane and their request size caps / rate limits."""
+"""Network policy per stream id: the per-peer rate limit of each route a peer serves.
+
+The ids, request types and size caps are the protocol's (``echorl.protocol.routes``).
+"""
 
 from __future__ import annotations
 
-from echorl.protocol import limits
+from echorl.protocol import routes as ids
 
 from echorl.net.ratelimit import RateLimit
 
-JOIN = "/echorl/join/1"  # JoinRequest -> JoinAccepted
-LEASE = "/echorl/lease/1"  # LeaseRequest -> Lease | LeaseDeferred
-SUBMIT = "/echorl/submit/1"  # Submit -> SubmitAccepted
-RETURN = "/echorl/return/1"  # LeaseReturn -> LeaseReturn (the lease ids re-queued)
-MANIFEST = "/echorl/manifest/1"  # ManifestRequest -> Manifest
-CHUNK = "/echorl/chunk/1"  # ChunkRequest -> Chunk
-STATUS = "/echorl/status/1"  # StatusRequest -> Status
-
-#: request size caps (bytes of one frame body)
-MAX_REQUEST_BYTES = {
-    JOIN: 16 * limits.KiB,
-    LEASE: 4 * limits.KiB,
-    SUBMIT: limits.MAX_FRAME_BYTES,
-    RETURN: 16 * limits.KiB,
-    MANIFEST: 4 * limits.KiB,
-    CHUNK: 4 * limits.KiB,
-    STATUS: 1 * limits.KiB,
-}
-
-#: per-peer rate limits
-RATES = {
-    JOIN: RateLimit(1.0, 10.0),
-    LEASE: RateLimit(50.0, 100.0),
-    SUBMIT: RateLimit(50.0, 100.0),
-    RETURN: RateLimit(5.0, 20.0),
-    MANIFEST: RateLimit(20.0, 50.0),
-    CHUNK: RateLimit(500.0, 1000.0),
-    STATUS: RateLimit(10.0, 30.0),
+RATES: dict[str, RateLimit] = {
+    ids.JOIN: RateLimit(1.0, 10.0),
+    ids.LEASE: RateLimit(50.0, 100.0),
+    ids.SUBMIT: RateLimit(50.0, 100.0),
+    ids.RETURN: RateLimit(5.0, 20.0),
+    ids.STATUS: RateLimit(10.0, 30.0),
+    ids.ANNOUNCE: RateLimit(20.0, 50.0),
+    ids.CHUNK: RateLimit(2000.0, 4000.0),
+    ids.CATCHUP: RateLimit(10.0, 30.0),
+    ids.DONE: RateLimit(50.0, 200.0),
+    ids.TICKET: RateLimit(50.0, 200.0),
 }

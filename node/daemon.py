@@ -169,7 +169,7 @@ async def _cancel_when(stop: trio.Event, scope: trio.CancelScope) -> None:
 async def _return_lease(host: Any, state: NodeState) -> None:
     from echorl.protocol.messages import LeaseReturn
 
-    from echorl.net import routes
+    from echorl.protocol import routes
     from echorl.net.host import PeerUnavailable, RemoteError
 
     if not state.current_lease or not state.learner:
@@ -208,7 +208,7 @@ async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nurse
     from echorl.protocol import wire
     from echorl.protocol.messages import JoinAccepted, JoinRequest
 
-    from echorl.net import routes
+    from echorl.protocol import routes
     from echorl.net.membership import find_learner
 
     weights = state.weights
@@ -253,7 +253,7 @@ async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[
     first and asks again at once (or shortly, if nothing newer is to be had yet)."""
     from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
 
-    from echorl.net import routes
+    from echorl.protocol import routes
 
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
@@ -303,7 +303,7 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     from echorl.protocol import wire
     from echorl.protocol.messages import RolloutGroup, Sample, Submit, SubmitAccepted
 
-    from echorl.net import routes
+    from echorl.protocol import routes
 
     sp = lease.sampling
     params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, stop=list(sp.stop))

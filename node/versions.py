@@ -1,7 +1,7 @@
 """How a node daemon gets its weights: the broadcast relay first (versions pushed by the
 learner's plan, loaded into the backend in a worker thread as they arrive), pull catch-up from
-peers when a version was missed, and the direct fetch from the learner (``fetch_weights``) only
-for a node with no version yet or one that could not catch up.
+peers when a version was missed, and the direct fetch (the same catch-up, from the learner's
+store alone) only for a node with no version yet or one that could not catch up.
 
 Generation and weight loading share one lock, so a rollout's behaviour version is exactly the
 version its tokens were sampled with.
@@ -15,13 +15,14 @@ asks only for what is newer.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from echorl.protocol import snapshot
-from echorl.protocol.messages import Manifest, ManifestRequest
+from echorl.protocol.messages import Manifest
 
 from echorl.node.state import SnapshotKeeper
 
@@ -47,6 +48,7 @@ class NodeWeights:
     loads: dict[str, int] = field(default_factory=lambda: {"relay": 0, "fetch": 0})
     keeper: SnapshotKeeper | None = None  # the newest verified version on disk
     started_from: int = -1  # the on-disk version this process started from (-1: none)
+    _via: str = "relay"  # what ``_on_version`` counts a load as ("fetch" during a direct fetch)
 
     async def attach(self, learner: str, nursery: trio.Nursery) -> None:
         """The relay for ``learner`` (created and started once; reset if the learner changed)."""
@@ -100,9 +102,8 @@ class NodeWeights:
 
     async def _on_version(self, version: int, data: bytes) -> None:
         """Relay callback: a verified version (broadcast or catch-up) → the backend (and disk)."""
-        if await self._load(version, data, "relay"):
-            manifest = self._relay_manifest(version) or await self._learner_manifest(version)
-            self._keep(manifest, data)
+        if await self._load(version, data, self._via):
+            self._keep(self._relay_manifest(version), data)
 
     async def _load(self, version: int, data: bytes, how: str) -> bool:
         """Load ``version`` into the backend unless we hold it or newer; True if loaded."""
@@ -127,28 +128,11 @@ class NodeWeights:
         self.keeper.offer(manifest, data, self.relay.learner)
 
     def _relay_manifest(self, version: int) -> Manifest | None:
-        """The manifest the relay verified ``version`` against (its catch-up chain or the
-        version's broadcast state)."""
-        for manifest, _ in reversed(self.relay.server.chain):
-            if manifest.version == version:
-                return manifest
+        """The manifest the relay verified ``version`` against (its held chain or the version's
+        broadcast state)."""
+        manifest = self.relay.server.chain.manifest(version)
         state = self.relay.server.states.get(version)
-        return None if state is None else state.manifest
-
-    async def _learner_manifest(self, version: int) -> Manifest | None:
-        """``version``'s signed manifest from the learner (the fallback fetch does not return
-        it); the keeper verifies it against the pinned learner and the bytes."""
-        from echorl.net.host import PeerUnavailable, RemoteError
-        from echorl.net.routes import MANIFEST
-
-        try:
-            reply = await self.host.request(self.relay.learner, MANIFEST,
-                                            ManifestRequest(run_id=self.run_id, version=version),
-                                            expect=Manifest, timeout=10.0)
-        except (PeerUnavailable, RemoteError, trio.TooSlowError) as exc:
-            log.info("manifest of v%d unavailable, not kept on disk: %s", version, exc)
-            return None
-        return reply if isinstance(reply, Manifest) else None
+        return manifest or (None if state is None else state.manifest)
 
     async def generate(self, *args: Any) -> tuple[int, Any]:
         """``backend.generate(*args)`` in a worker thread with no version change meanwhile;
@@ -179,14 +163,13 @@ class NodeWeights:
             await self._fetch()
 
     async def _fetch(self) -> None:
-        from echorl.broadcast.weight_store import fetch_weights_bytes
-
-        got = await fetch_weights_bytes(self.host, self.relay.learner, self.run_id, self.version,
-                                        timeout=FETCH_TIMEOUT_S)
-        if got is None:
-            return
-        version, data, seconds = got
-        await self.relay.adopt(version, data)  # the base of the next broadcast delta
-        if await self._load(version, data, "fetch"):
-            self._keep(await self._learner_manifest(version), data)
-        log.info("weights v%d fetched directly in %.3f s (fallback)", version, seconds)
+        """The direct fetch: a catch-up from the learner alone (its one chunk store serves the
+        newest full snapshot and the deltas after it)."""
+        t0, before = time.perf_counter(), self.version
+        self._via = "fetch"
+        try:
+            await self.relay.catch_up([self.relay.learner], timeout=FETCH_TIMEOUT_S, only=True)
+        finally:
+            self._via = "relay"
+        if self.version > before:
+            log.info("weights v%d fetched directly in %.3f s (fallback)", self.version, time.perf_counter() - t0)

@@ -8,8 +8,9 @@ MiB = 1024 * KiB
 
 #: Largest frame (the msgpack payload after the 4-byte length prefix).
 MAX_FRAME_BYTES = 16 * MiB
-#: Default and largest chunk of a weight snapshot.
-DEFAULT_CHUNK_BYTES = 4 * MiB
+#: Default and largest chunk of a weight snapshot or delta: the one chunk size every weight
+#: route serves (broadcast streams, recovery, catch-up, direct fetch).
+DEFAULT_CHUNK_BYTES = 256 * KiB
 MAX_CHUNK_BYTES = 8 * MiB
 #: Strings (peer ids, names, prompt text, multiaddrs).
 MAX_STR_BYTES = 64 * KiB
@@ -26,7 +27,7 @@ MAX_EPISODE_TURNS = 256
 #: Tensors in one manifest; dims of one tensor.
 MAX_TENSORS = 1 << 16
 MAX_TENSOR_DIMS = 8
-#: Chunks in one manifest (a 1 TiB snapshot at 4 MiB chunks).
+#: Chunks in one manifest (64 GiB at the default chunk size; a larger model sets larger chunks).
 MAX_CHUNKS = 1 << 18
 #: Maximum msgpack nesting accepted.
 MAX_DEPTH = 8

@@ -247,12 +247,6 @@ class Manifest(Message):
     signature: Signature = b"\0" * 64
 
 
-class ManifestRequest(Message):
-    type: Literal["manifest_request"] = "manifest_request"
-    run_id: RunId
-    version: Version  # -1: the newest
-
-
 class ChunkRequest(Message):
     type: Literal["chunk_request"] = "chunk_request"
     digest: Digest
@@ -264,16 +258,6 @@ class Chunk(Message):
     data: Annotated[bytes, Field(min_length=1, max_length=limits.MAX_CHUNK_BYTES)]
 
 
-class Announce(Message):
-    """Gossip: a new version exists (small; receivers pull the manifest)."""
-
-    type: Literal["announce"] = "announce"
-    run_id: RunId
-    version: Version
-    manifest_digest: Digest
-
-
-# --- status and errors -------------------------------------------------------------------------
 class StatusRequest(Message):
     type: Literal["status_request"] = "status_request"
 
@@ -396,7 +380,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted,
-        Manifest, ManifestRequest, ChunkRequest, Chunk, Announce, StatusRequest, Status, Error,
+        Manifest, ChunkRequest, Chunk, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
         LearnerRecord,
     )

@@ -90,7 +90,9 @@ def plan_broadcast(
     if len(set(ids)) != len(ids) or learner in ids:
         raise ValueError("peer ids must be unique and must not include the learner")
     order = _shuffled(peers, seed)
-    n_stripes = fanout if striped and len(order) > 1 else 1
+    # With fewer peers than the fan-out, one stripe per peer: each root then serves all the
+    # others directly (depth 2, (n−1)/n copies) instead of borrowing spare slots into a chain.
+    n_stripes = min(fanout, len(order)) if striped and len(order) > 1 else 1
     reachable = [p.peer_id for p in order if p.reachable]
     groups = [reachable[j::n_stripes] for j in range(n_stripes)]
     # Child slots each peer has left across all stripes: k slots = one copy of the snapshot.

@@ -17,7 +17,7 @@ import json
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from . import limits
 from .errors import ErrorCode, ProtocolError
@@ -232,6 +232,3 @@ def safetensors_to_state_dict(data: bytes) -> dict[str, Any]:
 
     return load(data)
 
-
-def chunk_digests(chunks: Iterable[bytes]) -> list[bytes]:
-    return [digest(c) for c in chunks]

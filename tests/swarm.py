@@ -83,6 +83,14 @@ class Swarm:
                 p.wait()
 
 
+def safetensors_f32(values) -> bytes:
+    """A one-tensor safetensors file of ``values`` (a numpy array) as float32: weights without torch."""
+    n = values.size
+    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + values.astype("<f4").tobytes()
+
+
 def run_trio(fn, *args):
     return trio.run(fn, *args)
 

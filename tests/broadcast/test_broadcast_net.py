@@ -15,32 +15,32 @@ import numpy as np
 import pytest
 import trio
 
-from echorl.broadcast.broadcaster import ANNOUNCE, Broadcaster, NodeInfo, plan_of
+from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
+from echorl.broadcast.store import plan_of
 from echorl.net.host import HostConfig, RemoteError, open_host
 from echorl.net.transport import UploadLimiter
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode
 from echorl.protocol.identity import Identity
+from swarm import safetensors_f32
 from echorl.protocol.messages import BroadcastAck, PlanAnnounce, PlanMember
+from echorl.protocol.routes import ANNOUNCE
 
 pytestmark = pytest.mark.timeout(120)
 RUN = "t-bcast"
 
 
-def safetensors_f32(values: np.ndarray) -> bytes:
-    n = values.size
-    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
-    header += b" " * (-len(header) % 8)
-    return len(header).to_bytes(8, "little") + header + values.astype("<f4").tobytes()
+RELAY = ["-m", "echorl.broadcast.relay_process"]
+TAMPERING_RELAY = [os.path.join(os.path.dirname(__file__), "tampering_relay.py")]  # the test double
 
 
 class Peer:
     """One relay peer process (``python -m echorl.broadcast.relay_process``), its JSON events collected."""
 
-    def __init__(self, learner_addr: str, *args: str) -> None:
+    def __init__(self, learner_addr: str, *args: str, program: list[str] = RELAY) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", learner_addr, "--run-id", RUN, *args],
+            [sys.executable, *program, "--learner", learner_addr, "--run-id", RUN, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         self.events: list[dict] = []
         self.ready = threading.Event()
@@ -124,7 +124,7 @@ def run_learner(body, **bc_kwargs):
 
 def test_tampering_relay_is_detected_refetched_and_reported():
     async def body(host, bc, peers):
-        bad = Peer(host.addrs[0], "--tamper", "--stall-s", "5")
+        bad = Peer(host.addrs[0], "--stall-s", "5", program=TAMPERING_RELAY)
         peers.append(bad)
         peers.extend(await start_peers(host.addrs[0], 4, "--stall-s", "5"))
         await bad.wait_ready()

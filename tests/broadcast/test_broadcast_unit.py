@@ -4,7 +4,6 @@ and direct TCP), every plan shape, full + delta versions applied bit-exactly."""
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 
 import numpy as np
@@ -16,15 +15,9 @@ from echorl.net.host import open_host
 from echorl.broadcast.relay import Relay
 from echorl.net.transport import UploadLimiter
 from echorl.protocol.identity import Identity
+from swarm import safetensors_f32
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def safetensors_f32(values: np.ndarray) -> bytes:
-    n = values.size
-    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
-    header += b" " * (-len(header) % 8)
-    return len(header).to_bytes(8, "little") + header + values.astype("<f4").tobytes()
 
 
 def test_upload_limiter_paces_to_its_rate():

@@ -13,7 +13,7 @@ import time
 import trio
 from libp2p.peer.id import ID
 
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.net.framing import read_frame
 from echorl.net.host import open_host
 from echorl.protocol import wire

@@ -8,7 +8,7 @@ import time
 
 import trio
 
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.net.host import open_host
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Status, StatusRequest

@@ -21,7 +21,7 @@ import time
 import pytest
 import trio
 
-from echorl.net import routes
+from echorl.protocol import routes
 from echorl.net.host import open_host
 from echorl.protocol import wire
 from echorl.protocol.identity import Identity

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,3 +84,12 @@ def test_no_reachable_peer_means_learner_serves_all():
     plan = plan_broadcast(LEARNER, peers, 3)
     for stripe in plan.stripes:
         assert set(stripe.children) == {LEARNER}
+
+
+@pytest.mark.parametrize("n,fanout", [(4, 5), (5, 6), (2, 6)])
+def test_fewer_peers_than_fanout_is_one_hop_from_a_stripe_root(n, fanout):
+    # hypothesis once found n=4, k=5 planned as a chain of depth 3 (spare slots borrowed)
+    peers = [PlanPeer(f"p{i}") for i in range(n)]
+    plan = plan_broadcast(LEARNER, peers, fanout, 0, striped=True)
+    assert plan.depth == 2 and plan.upload_copies(LEARNER) == 1.0
+    assert max(plan.upload_copies(p.peer_id) for p in peers) <= 1.0

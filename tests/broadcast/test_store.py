@@ -1,0 +1,122 @@
+"""The one weight store: the learner holds each published version's bytes once (the frame
+bodies the broadcast forwards), keeps every version within ``retain`` of the newest rebuildable
+(spot checks), and serves catch-up and a node's direct fetch from those same chunks."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+import trio
+
+from echorl.broadcast.broadcaster import Broadcaster
+from echorl.broadcast.relay import Relay
+from echorl.broadcast.store import HeldChain
+from echorl.net.host import open_host
+from echorl.protocol import delta, snapshot
+from echorl.protocol.identity import Identity
+from swarm import safetensors_f32
+
+pytestmark = pytest.mark.timeout(90)
+CHUNK = 64 * 1024
+FRAME_OVERHEAD = 64  # msgpack map, type tag and digest around each chunk's bytes
+
+
+def weights(step: int, n: int = 500_000) -> bytes:
+    values = np.linspace(0, 1, n, dtype=np.float32)
+    values[: 1000 * step] += 1.0  # each step changes a small part: a delta is worth it
+    return safetensors_f32(values)
+
+
+def test_learner_holds_a_published_version_once():
+    """Publishing a 2 MB full snapshot (no nodes) retains its bytes once: the store counts the
+    snapshot's size plus framing, and the process keeps ~1x the bytes (the removed double path
+    kept chunks, frame bodies and the fallback store's chunks: ~3x)."""
+    async def main():
+        li = Identity.generate()
+        async with open_host(li) as lh:
+            bc = Broadcaster(lh, li, "r", chunk_bytes=CHUNK, full_every=10, direct=False)
+            bc.install()
+            data = weights(0)
+            n_chunks = -(-len(data) // CHUNK)
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            report = await bc.publish(0, data, [])
+            gc.collect()
+            retained = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
+            assert report.kind == "full" and report.result_bytes == len(data)
+            held = bc.server.held_bytes()
+            assert len(data) <= held <= len(data) + n_chunks * FRAME_OVERHEAD
+            assert retained < 1.25 * len(data), (retained, len(data))
+            assert bc._prev == (0, None)  # a full version's bytes are its chunks, not a second copy
+            assert await trio.to_thread.run_sync(bc.version_bytes, 0) == data
+
+            report = await bc.publish(1, weights(1), [])
+            assert report.kind == "delta"
+            assert bc.server.held_bytes() - held <= report.bytes + n_chunks * FRAME_OVERHEAD
+            assert await trio.to_thread.run_sync(bc.version_bytes, 1) == weights(1)
+            assert await trio.to_thread.run_sync(bc.version_bytes, 0) == data
+
+    trio.run(main)
+
+
+def _chain_of(kinds: str, retain: int) -> tuple[HeldChain, list[bytes]]:
+    """A chain held the way the learner holds it: version i is full ("f") or a delta ("d")."""
+    learner = Identity.generate()
+    chain, files = HeldChain(retain), []
+    for v, kind in enumerate(kinds):
+        new = weights(v, n=20_000)
+        payload = new if kind == "f" else delta.encode_delta(files[-1], new)
+        manifest, chunks = snapshot.build_manifest(
+            learner, "r", v, v - 1, payload, new, kind="full" if kind == "f" else "delta",
+            base_version=-1 if kind == "f" else v - 1, chunk_bytes=4096)
+        chain.hold(manifest, {ref.digest: c for ref, c in zip(manifest.chunks, chunks)})
+        files.append(new)
+    return chain, files
+
+
+def test_chain_keeps_versions_within_retain_and_serves_the_newest_run():
+    chain, files = _chain_of("fdfd", retain=2)
+    assert [m.version for m, _ in chain.entries] == [0, 1, 2, 3]  # v1 is within 2 of v3
+    assert chain.version_bytes(1) == files[1] and chain.version_bytes(3) == files[3]
+    assert [m.version for m in chain.newest_run()] == [2, 3]  # catch-up: newest full + deltas
+
+    chain, files = _chain_of("fdfdf", retain=2)
+    assert [m.version for m, _ in chain.entries] == [2, 3, 4]
+    assert chain.version_bytes(1) is None and chain.version_bytes(3) == files[3]
+    assert [m.version for m in chain.newest_run()] == [4]
+
+    relay_chain, _ = _chain_of("fdfd", retain=0)  # a relay keeps only the newest run
+    assert [m.version for m, _ in relay_chain.entries] == [2, 3]
+
+
+def test_catch_up_and_direct_fetch_come_from_the_learners_one_store():
+    """A node with nothing catches up from the learner alone (the direct fetch: newest full
+    snapshot + delta) and a second node catches up from the first; the learner's store did not
+    grow for serving them."""
+    async def main():
+        li = Identity.generate()
+        async with open_host(li) as lh, open_host(Identity.generate()) as ha, open_host(Identity.generate()) as hb:
+            bc = Broadcaster(lh, li, "r", chunk_bytes=CHUNK, full_every=10, direct=False)
+            bc.install()
+            for v in range(3):
+                await bc.publish(v, weights(v), [])
+            held = bc.server.held_bytes()
+            got: dict[str, list[int]] = {"a": [], "b": []}
+            a = Relay(ha, li.peer_id, "r", on_version=lambda v, _: got["a"].append(v), direct=False)
+            b = Relay(hb, li.peer_id, "r", on_version=lambda v, _: got["b"].append(v), direct=False)
+            a.install()
+            b.install()
+            await ha.connect(lh.addrs[0])
+            assert await a.catch_up([li.peer_id], timeout=30, only=True) == 2
+            assert a.result == weights(2) and got["a"] == [2]
+            await hb.connect(ha.addrs[0])
+            assert await b.catch_up([ha.peer_id], timeout=30, only=True) == 2
+            assert b.result == weights(2)
+            assert bc.server.held_bytes() == held
+
+    trio.run(main)
