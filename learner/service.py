@@ -304,7 +304,8 @@ class LearnerService:
         """Recompute the behaviour log-probs; on a mismatch refuse, flag (and maybe ban)."""
         assert self.spot is not None
         try:
-            res = await self.spot.check(groups, version)
+            cap = self.peers[peer_id].capability  # joined: the submit handler looked it up
+            res = await self.spot.check(groups, version, cap.engine, cap.dtype)
         except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
             log.exception("spot check of v%d failed to run; counted as skipped", version)
             self.counters["spot_checks_skipped"] += 1

@@ -95,7 +95,8 @@ def _capability(cfg: NodeConfig, tokens_per_s: float, addrs: list[str]) -> Any:
         device = "cpu"
         memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return Capability(engine=cfg.engine, device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
-                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16])
+                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16],
+                      dtype=cfg.dtype)
 
 
 def _load_backend(cfg: NodeConfig) -> tuple[Any, float]:

@@ -58,8 +58,11 @@ class Message(WireModel):
 
 
 # --- membership --------------------------------------------------------------------------------
-class Capability(WireModel):
-    """What a node offers: the learner schedules and prices by it."""
+class Capability(OptionalFieldsModel):
+    """What a node offers: the learner schedules and prices by it (and sets the spot-check
+    tolerance by its engine and dtype)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("dtype",)
 
     engine: Name  # "torch", "vllm"
     device: Name  # "cpu", "cuda:0", "NVIDIA RTX 4090"
@@ -68,6 +71,7 @@ class Capability(WireModel):
     price_per_hour: NonNegFinite  # what the volunteer asks, in the run's currency unit
     reachable: bool  # can others dial it (interior of broadcast trees)?
     listen_addrs: Annotated[list[Text], Field(max_length=16)]
+    dtype: Name | None = None  # weights' dtype ("float32", "bfloat16", "float16"); None: float32
 
 
 class JoinRequest(Message):
