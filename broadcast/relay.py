@@ -50,6 +50,7 @@ from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
 from echorl.broadcast.store import VersionState, payload_chunks, rebuild_version
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.broadcast.relay")
 
@@ -167,7 +168,7 @@ class Relay:
             try:
                 await self._stream_from(parent, state, s)
             except (PeerUnavailable, Truncated, trio.TooSlowError, ProtocolError, *STREAM_ERRORS) as exc:
-                log.info("v%d stripe %d: parent %s failed: %s: %s", state.version, s, parent[:16],
+                log.info("v%d stripe %d: parent %s failed: %s: %s", state.version, s, short_id(parent),
                          type(exc).__name__, exc)
                 suspects.add(parent)
         if not state.stripe_complete(s):
@@ -186,7 +187,7 @@ class Relay:
                 self.direct_streams += 1
                 return source
             except (PeerUnavailable, RemoteError) as exc:
-                log.info("direct path to %s unavailable (%s): libp2p stream", parent[:16], exc)
+                log.info("direct path to %s unavailable (%s): libp2p stream", short_id(parent), exc)
         return await self.server.transport.subscribe(parent, sub)
 
     async def _stream_from(self, parent: str, state: VersionState, s: int) -> None:
@@ -326,7 +327,7 @@ class Relay:
                                                                                  have_version=self.version),
                                                     expect=CatchUp, timeout=15.0)
                 except (PeerUnavailable, RemoteError) as exc:
-                    log.info("catch-up from %s: %s", src[:16], exc)
+                    log.info("catch-up from %s: %s", short_id(src), exc)
                     continue
                 assert isinstance(reply, CatchUp)
                 if not reply.manifests or reply.manifests[-1].version <= self.version:

@@ -98,6 +98,8 @@ class PeerFields(Section):
     listen: str = "/ip4/127.0.0.1/tcp/0"
     """multiaddr to listen on"""
     upload_mbps: UploadMbps = 0.0
+    metrics_port: str = Field("", pattern=r"^(\S{1,253}:)?\d{1,5}$|^$")
+    """serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (names in docs/metrics.md)"""
 
 
 # --- the command line ------------------------------------------------------------------------
