@@ -6,7 +6,8 @@ if t − b ≤ S, scores it off the event loop), ``checkpoint.py`` (atomic check
 optimizer, version, RNG, task cursor; ``extra`` holds each component's ``state_dict``),
 ``loop.py`` (``TrainingLoop``: the one training loop — κ, leasable version, evaluation,
 metrics row, checkpoints — fed by a rollout source), ``local.py`` (``echorl train-local``: that
-loop fed by actor worker processes, no network).
+loop fed by actor worker processes, no network), ``distributed.py`` (``DistributedGRPO``: the
+GRPO step data-parallel over ``--nproc`` ranks, same interface).
 
 The learner peer (``echorl learner``): ``config.py`` (``LearnerConfig``, ``TrainLocalConfig``: the
 typed settings), ``peer.py`` (startup wiring),

@@ -200,12 +200,8 @@ def load_checkpoint(root: str | Path) -> Checkpoint:
 
 
 def restore_trainer(trainer: Any, ckpt: Checkpoint, rng: bool = True) -> None:
-    """Load model, optimizer and version (and, by default, the RNG states) into ``trainer``."""
-    missing, unexpected = trainer.model.load_state_dict(ckpt.model_state, strict=False)
-    tied = {"lm_head.weight"} if getattr(trainer.model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise KeyError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    trainer.optimizer.load_state_dict(ckpt.optimizer_state)
-    trainer._version = ckpt.version
+    """Load model, optimizer and version (and, by default, the RNG states) into ``trainer``
+    (anything with ``GRPOTrainer.load_state``: a data-parallel trainer passes them to every rank)."""
+    trainer.load_state(ckpt.model_state, ckpt.optimizer_state, ckpt.version)
     if rng:
         restore_rng(ckpt.rng)

@@ -70,6 +70,9 @@ class TrainingFields(ModelFields, TaskFields, BatchFields):
     """checkpoint period in steps (0: only at the end, and on SIGTERM for the learner)"""
     resume: bool = False
     """continue from the newest checkpoint in --checkpoint-dir"""
+    nproc: int = Field(1, ge=1, le=256)
+    """learner processes training each step data-parallel (torch.distributed: gloo on cpu, nccl with one
+    GPU per rank); this process is rank 0 and alone runs everything else"""
 
 
 class LeaseFields(BatchFields):

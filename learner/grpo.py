@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,6 +38,7 @@ from echorl.actor.types import RolloutGroup
 
 if TYPE_CHECKING:
     import torch
+
 
 MAX_LOG_RATIO = 20.0
 """|log π_θ − log π_b| is clamped here before ``exp``: e^20 is far beyond every clip and truncation
@@ -168,6 +169,33 @@ def state_dict_finite(state: dict[str, Any]) -> bool:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+Row = tuple[list[int], list[int], list[float], "list[bool] | None"]
+"""One training sequence: prompt ids, completion ids, behaviour log-probs, model mask."""
+
+STAT_KEYS = ("loss", "ratio_mean", "clip_frac", "tis_frac", "kl", "logp_abs_diff")
+"""Per-step statistics that add up over disjoint shares of a batch (see ``accumulate``)."""
+
+
+def row_tokens(row: Row) -> int:
+    """Completion tokens of ``row`` that count in the loss."""
+    _, c, _, m = row
+    return len(c) if m is None else sum(map(bool, m))
+
+
+@dataclass
+class Prepared:
+    """A validated batch: rows, their advantages, the index of each row's group, all rewards."""
+
+    rows: list[Row] = field(default_factory=list)
+    advs: list[float] = field(default_factory=list)
+    group_of: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> float:
+        return float(sum(row_tokens(r) for r in self.rows))
+
+
 class GRPOTrainer:
     """Owns the policy and its optimizer; one :meth:`train_step` = one version.
 
@@ -213,7 +241,7 @@ class GRPOTrainer:
         return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()
                 if not (tied and k == "lm_head.weight")}
 
-    def _batch(self, rows: list[tuple[list[int], list[int], list[float], list[bool] | None]]) -> tuple["torch.Tensor", ...]:
+    def _batch(self, rows: list[Row]) -> tuple["torch.Tensor", ...]:
         """Right-padded input ids, attention mask, completion mask, behaviour log-probs
         (completion positions aligned to the *predicting* position, i.e. shifted by one). A row's
         model mask (episodes: False on environment observations) keeps those tokens out of the
@@ -242,18 +270,25 @@ class GRPOTrainer:
         temp = self.config.temperature if self.config.temperature > 0 else 1.0
         return torch.log_softmax(logits / temp, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
-    def train_step(self, groups: list[RolloutGroup]) -> dict[str, Any]:
-        """One optimizer step on ``groups``; increments :attr:`version` by one."""
-        import torch
+    def load_state(self, model_state: dict[str, "torch.Tensor"], optimizer_state: dict[str, Any], version: int) -> None:
+        """Set weights, optimizer state and version (a checkpoint's). A tied ``lm_head.weight``
+        may be missing; anything else missing or unexpected is a checkpoint of another model."""
+        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise KeyError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        self.optimizer.load_state_dict(optimizer_state)
+        self._version = int(version)
 
-        t0 = time.perf_counter()
-        rows, advs, rewards = [], [], []
+    def prepare(self, groups: list[RolloutGroup]) -> Prepared:
+        """Validate ``groups`` and turn them into training rows with their advantages."""
+        out = Prepared()
         vocab = int(self.model.config.vocab_size)
-        for g in groups:
+        for gi, g in enumerate(groups):
             if g.rewards is None or len(g.rewards) != len(g.samples):
                 raise ValueError(f"group {g.prompt_id}: rewards missing or wrong length")
             a = group_advantages(g.rewards, self.config.scale_adv_by_std, self.config.adv_eps)
-            rewards.extend(g.rewards)
+            out.rewards.extend(g.rewards)
             for s, adv in zip(g.samples, a):
                 if not s.token_ids or not g.prompt_token_ids:
                     continue
@@ -263,15 +298,20 @@ class GRPOTrainer:
                     raise ValueError(f"group {g.prompt_id}: token ids out of range or log-probs misaligned")
                 if s.mask is not None and not any(s.mask):
                     continue  # an episode with no model token has nothing to train
-                rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs), s.mask))
-                advs.append(adv)
-        if not rows:
-            return self._skipped("empty", t0)
-        n_tokens = float(sum(len(c) if m is None else sum(map(bool, m)) for _, c, _, m in rows))
+                out.rows.append((list(g.prompt_token_ids), list(s.token_ids), list(s.logprobs), s.mask))
+                out.advs.append(adv)
+                out.group_of.append(gi)
+        return out
+
+    def accumulate(self, rows: list[Row], advs: list[float], n_tokens: float, n_seqs: float) -> dict[str, float]:
+        """Forward and backward over ``rows`` in micro-batches, adding to the gradients. The
+        loss is normalised by the batch-wide ``n_tokens`` / ``n_seqs``, so the gradients of
+        disjoint shares of one batch sum to the gradient of the whole batch; so do the returned
+        statistics (:data:`STAT_KEYS`)."""
+        import torch
+
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {"ratio_mean": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl": 0.0}
-        loss_sum, mismatch = 0.0, 0.0
+        sums = dict.fromkeys(STAT_KEYS, 0.0)
         mb = self.config.micro_batch
         for start in range(0, len(rows), mb):
             chunk = rows[start : start + mb]
@@ -282,32 +322,63 @@ class GRPOTrainer:
                 with torch.no_grad():
                     ref = self.token_logprobs(self.ref_model, ids, att)
             adv = torch.tensor(advs[start : start + mb], device=logp.device)
-            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, float(len(rows)))
+            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs)
             loss.backward()
-            loss_sum += float(loss.detach())
+            sums["loss"] += float(loss.detach())
             w = float(cmask.sum()) / n_tokens
-            for k in totals:
-                totals[k] += st[k] * w
-            mismatch += float(((logp.detach() - blogp).abs() * cmask).sum()) / n_tokens
+            for k in ("ratio_mean", "clip_frac", "tis_frac", "kl"):
+                sums[k] += st[k] * w
+            sums["logp_abs_diff"] += float(((logp.detach() - blogp).abs() * cmask).sum()) / n_tokens
+        return sums
+
+    def finish_step(self, loss: float) -> float | None:
+        """Clip the gradients, step the optimizer, count the version; returns the grad norm, or
+        None when the loss or a gradient is not finite: then nothing is stepped (the weights and
+        the version stay) and the gradients are dropped. With several ranks every rank sees the
+        same summed loss and gradients, so all of them decide alike."""
+        import torch
+
         # the global norm is non-finite iff one gradient is; max_norm=inf measures without clipping
         max_norm = self.config.max_grad_norm or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            return self._skipped("nonfinite", t0, loss=loss_sum, grad_norm=grad_norm)
+            return None
         self.optimizer.step()
         self._version += 1
-        return {
-            "version": self._version, "loss": loss_sum, "reward_mean": sum(rewards) / max(1, len(rewards)),
-            "sequences": len(rows), "tokens": int(n_tokens), "grad_norm": grad_norm,
-            "logp_abs_diff": mismatch, "train_seconds": time.perf_counter() - t0, **totals,
-        }
+        return grad_norm
 
-    def _skipped(self, why: str, t0: float, **extra: float) -> dict[str, Any]:
+    def train_step(self, groups: list[RolloutGroup]) -> dict[str, Any]:
+        """One optimizer step on ``groups``; increments :attr:`version` by one, unless the step
+        is skipped (``"skipped"`` in the result: "empty" or "nonfinite")."""
+        t0 = time.perf_counter()
+        prep = self.prepare(groups)
+        if not prep.rows:
+            return self.skipped("empty", t0)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self.accumulate(prep.rows, prep.advs, prep.n_tokens, float(len(prep.rows)))
+        grad_norm = self.finish_step(sums["loss"])
+        if grad_norm is None:
+            return self.skipped("nonfinite", t0, loss=sums["loss"])
+        return self.step_metrics(prep, sums, grad_norm, t0)
+
+    def skipped(self, why: str, t0: float, **extra: float) -> dict[str, Any]:
         """Metrics of a step that was not taken: the version stays, the weights are untouched."""
         return {"version": self._version, "skipped": why, "loss": float("nan"), "reward_mean": 0.0, "sequences": 0,
                 "tokens": 0, "grad_norm": 0.0, "logp_abs_diff": 0.0, "train_seconds": time.perf_counter() - t0,
                 "ratio_mean": 0.0, "clip_frac": 0.0, "tis_frac": 0.0, "kl": 0.0, **extra}
 
+    def step_metrics(self, prep: Prepared, sums: dict[str, float], grad_norm: float, t0: float) -> dict[str, Any]:
+        rewards = prep.rewards
+        return {
+            "version": self._version, "loss": sums["loss"], "reward_mean": sum(rewards) / max(1, len(rewards)),
+            "sequences": len(prep.rows), "tokens": int(prep.n_tokens), "grad_norm": grad_norm,
+            "logp_abs_diff": sums["logp_abs_diff"], "train_seconds": time.perf_counter() - t0,
+            **{k: sums[k] for k in ("ratio_mean", "clip_frac", "tis_frac", "kl")},
+        }
+
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
+
+    def close(self) -> None:
+        """Nothing to release in one process (``DistributedGRPO.close`` stops its worker ranks)."""

@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
         task = load_task(cfg.task, **cfg.task_options)  # TaskError is a ValueError
         cfg.check_model()
         device = cfg.pin_device()
+        from echorl.learner.distributed import check_world
+
+        check_world(cfg.device, cfg.nproc)
     except ValueError as exc:
         config.fail("train-local", exc)
         return 2
@@ -61,15 +64,17 @@ def _build(cfg: TrainLocalConfig, task: Any) -> tuple[Any, Path]:
     from echorl.actor.model import default_model
     from echorl.learner.buffer import StalenessBuffer
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+    from echorl.learner.distributed import data_parallel
     from echorl.learner.loop import TrainingLoop
     from echorl.learner.replay import group_scorer
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     model_dir = Path(cfg.model) if cfg.model else default_model()
-    grpo = GRPOTrainer(model_dir, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef,
-                                             loss_norm=cfg.loss_norm, temperature=cfg.temperature, device=cfg.device,
-                                             dtype=cfg.dtype, off_policy_correction=cfg.off_policy_correction))
+    grpo = data_parallel(GRPOTrainer(model_dir, GRPOConfig(
+        lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef, loss_norm=cfg.loss_norm,
+        temperature=cfg.temperature, device=cfg.device, dtype=cfg.dtype,
+        off_policy_correction=cfg.off_policy_correction)), model_dir, cfg.nproc, cfg.seed)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     replay = group_scorer(task, tok)  # episodic tasks: rewards come from replaying the episodes
     buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)

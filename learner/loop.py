@@ -264,6 +264,7 @@ class TrainingLoop:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+        self.grpo.close()  # with --nproc > 1: stops the worker ranks
 
     async def run(self, source: RolloutSource) -> None:
         """Train until ``settings.steps`` versions or ``stopping``. A new run evaluates at step 0

@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
             raise config.ConfigError(problem)
         _check_task_and_model(cfg)  # TaskError is a ValueError
         device = cfg.pin_device()
+        from echorl.learner.distributed import check_world
+
+        check_world(cfg.device, cfg.nproc)
         _check_addresses(cfg)
     except ValueError as exc:  # AddressError is a ValueError too
         config.fail("learner", exc)

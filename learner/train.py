@@ -36,6 +36,7 @@ def build_loop(cfg: "LearnerConfig") -> TrainingLoop:
     from echorl.actor.device import resolve_device
     from echorl.actor.model import default_model
     from echorl.learner.buffer import StalenessBuffer
+    from echorl.learner.distributed import data_parallel
     from echorl.learner.grpo import GRPOConfig, GRPOTrainer
     from echorl.learner.replay import group_scorer
     from echorl.tasks import load_task
@@ -45,8 +46,9 @@ def build_loop(cfg: "LearnerConfig") -> TrainingLoop:
     task = load_task(cfg.task, **cfg.task_options)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)
-    grpo = GRPOTrainer(backend.model, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip,
-                                                 temperature=cfg.temperature, device=device, dtype=dtype))
+    grpo = data_parallel(GRPOTrainer(backend.model, GRPOConfig(lr=cfg.lr, clip_low=cfg.clip, clip_high=cfg.clip,
+                                                               temperature=cfg.temperature, device=device, dtype=dtype)),
+                         model_dir, cfg.nproc, cfg.seed)  # --nproc > 1: the step runs on worker ranks too
     replay = group_scorer(task, backend.tokenizer)  # episodic tasks: rewards come from replaying the episodes
     buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)
     return TrainingLoop(loop_settings(cfg), task, grpo, buffer, backend)
