@@ -11,7 +11,7 @@ Learner (one per run)::
     await nursery.start(bc.run)                    # the direct TCP chunk port (optional)
     report = await bc.publish(version, safetensors_bytes,
                               nodes=[NodeInfo(peer_id, reachable, addrs), ...],  # or (id, reachable, addrs) tuples
-                              timeout=None)        # default done_timeout_s
+                              timeout=None)        # floor of the scaled wait (done_deadline)
     # -> BroadcastReport(version, seconds, bytes, kind, ...): seconds = announce → last node
     #    verified; bytes = payload bytes (delta or full); kind = "full" | "delta"
     bc.version_bytes(version)                      # a held version's safetensors file (spot checks;
@@ -75,6 +75,7 @@ from echorl.protocol.messages import BroadcastAck, BroadcastDone, Chunk, Manifes
 from echorl.protocol.routes import ANNOUNCE, DONE
 
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
+from echorl.broadcast.deadlines import Deadlines
 from echorl.broadcast.store import VersionState
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.transport import UploadLimiter
@@ -112,9 +113,9 @@ class Broadcaster:
     def __init__(self, host: Host, identity: Identity, run_id: str, *, fanout: int = 4,
                  chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES, full_every: int = 10,
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
-                 announce_timeout_s: float = 10.0, done_timeout_s: float = 600.0, keep: int = 3,
+                 announce_timeout_s: float = 10.0, done_timeout_s: float = 0.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
-                 liveness_misses: int = 2, retain: int = 0) -> None:
+                 liveness_misses: int = 2, retain: int = 0, deadlines: Deadlines | None = None) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -127,10 +128,12 @@ class Broadcaster:
         self.liveness_every_s = liveness_every_s
         self.liveness_misses = liveness_misses
         self.seed = seed  # fixed: the same members give the same plan, so connections are reused
-        self.announce_timeout_s = announce_timeout_s
+        self.announce_timeout_s = announce_timeout_s  # floors: the deadlines scale up from them
         self.done_timeout_s = done_timeout_s
+        self.deadlines = deadlines or Deadlines()
         self.limiter = _as_limiter(upload_limit)
-        self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct)
+        self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct,
+                                  deadlines=self.deadlines)
         # (version, safetensors bytes) last published; the bytes only for a delta (a full
         # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
         self._prev: tuple[int, bytes | None] | None = None
@@ -158,6 +161,17 @@ class Broadcaster:
             task_status.started()
             await trio.sleep_forever()
         await self.server.serve_direct(_listen_ip(self.host), task_status=task_status)
+
+    def announce_deadline(self, manifest: Manifest, members: int) -> float:
+        """Seconds one announce may take: it carries the manifest and the member list."""
+        nbytes = snapshot.manifest_wire_bytes(manifest) + 1100 * members
+        return max(self.announce_timeout_s, self.deadlines.for_bytes(nbytes))
+
+    def done_deadline(self, manifest: Manifest, depth: int, timeout: float | None = None) -> float:
+        """Seconds to wait for every node's ``BroadcastDone``: the version's payload through the
+        plan's depth (``Deadlines``), or longer if ``timeout`` (else ``done_timeout_s``) says so."""
+        floor = self.done_timeout_s if timeout is None else timeout
+        return max(floor, self.deadlines.for_bytes(manifest.payload_bytes, hops=max(1, depth)))
 
     async def _probe(self, pending: set[str], gone: set[str], failures: dict[str, int]) -> None:
         """Ping the nodes still pending; one that misses ``liveness_misses`` pings in a row is
@@ -252,7 +266,7 @@ class Broadcaster:
         async def announce(m: PlanMember) -> None:
             try:
                 await self.host.request(m.peer_id, ANNOUNCE, ann, expect=BroadcastAck,
-                                        timeout=self.announce_timeout_s)
+                                        timeout=self.announce_deadline(manifest, len(members)))
                 announced.add(m.peer_id)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("announce v%d to %s failed: %s", version, m.peer_id[:16], exc)
@@ -263,7 +277,7 @@ class Broadcaster:
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
-        with trio.move_on_after(timeout or self.done_timeout_s):
+        with trio.move_on_after(self.done_deadline(manifest, state.plan.depth, timeout)):
             while not (announced - gone).issubset(done):
                 with trio.move_on_after(self.liveness_every_s):
                     await self._done_changed.wait()
@@ -272,6 +286,8 @@ class Broadcaster:
         seconds = time.perf_counter() - t0
 
         completed = sorted(p for p, d in done.items() if d.ok)
+        if completed and len(completed) == len(members):
+            self.deadlines.meter.add(manifest.payload_bytes, seconds)
         suspects = sorted({s for d in done.values() for s in d.suspects})
         missing = sorted(m.peer_id for m in members if m.peer_id not in completed)
         for s in suspects:

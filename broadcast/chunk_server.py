@@ -14,11 +14,14 @@ from typing import Any
 
 import trio
 
-from echorl.protocol import wire
+from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
-from echorl.protocol.messages import CatchUp, CatchUpRequest, Chunk, ChunkRequest, Message, StreamTicket, Subscribe
+from echorl.protocol.messages import (
+    CatchUp, CatchUpRequest, Chunk, ChunkRequest, Manifest, Message, StreamTicket, Subscribe,
+)
 from echorl.protocol.routes import CATCHUP, CHUNK, ROUTES, STREAM, TICKET
 
+from echorl.broadcast.deadlines import Deadlines
 from echorl.broadcast.store import ChunkBytes, HeldChain, VersionState, distinct_bytes
 from echorl.net.framing import read_frame
 from echorl.net.host import Host, RequestContext
@@ -33,14 +36,14 @@ class ChunkServer:
     flight and the held chain (newest full snapshot + the deltas after it)."""
 
     def __init__(self, host: Host, run_id: str, limiter: UploadLimiter, *, keep: int = 3, retain: int = 0,
-                 announce_wait_s: float = 15.0, stream_timeout_s: float = 600.0, io_timeout_s: float = 120.0,
-                 direct: bool = True) -> None:
+                 announce_wait_s: float = 15.0, io_timeout_s: float = 120.0, direct: bool = True,
+                 deadlines: Deadlines | None = None) -> None:
         self.host = host
         self.run_id = run_id
         self.limiter = limiter
         self.keep = keep
         self.announce_wait_s = announce_wait_s
-        self.stream_timeout_s = stream_timeout_s
+        self.deadlines = deadlines or Deadlines()
         self.transport = Libp2pTransport(host, STREAM, limiter, io_timeout=io_timeout_s)
         self.states: OrderedDict[int, VersionState] = OrderedDict()
         self._state_events: dict[int, trio.Event] = {}
@@ -149,8 +152,13 @@ class ChunkServer:
         finally:
             await trio.aclose_forcefully(tcp)
 
+    def stripe_deadline(self, state: VersionState, stripe: int) -> float:
+        """Seconds a stripe's stream may take: its bytes, waited for through the plan's depth."""
+        nbytes = sum(state.manifest.chunks[i].size for i in state.stripe_indices(stripe))
+        return self.deadlines.for_bytes(nbytes, hops=state.plan.depth)
+
     async def _serve_stripe(self, stream: Any, state: VersionState, stripe: int) -> None:
-        with trio.fail_after(self.stream_timeout_s):
+        with trio.fail_after(self.stripe_deadline(state, stripe)):
             for i in state.stripe_indices(stripe):
                 await state.wait_for(i)
                 body = state.bodies[i]
@@ -183,7 +191,22 @@ class ChunkServer:
         versions = [m.version for m in run]
         if msg.have_version in versions:
             run = [m for m in run if m.version > msg.have_version]
-        return CatchUp(run_id=self.run_id, manifests=run[-256:])
+        page = catch_up_page(run)
+        return CatchUp(run_id=self.run_id, manifests=page, more=len(page) < len(run))
+
+
+def catch_up_page(run: list[Manifest]) -> list[Manifest]:
+    """The first manifests of ``run`` (oldest first) that fit one ``CatchUp`` page: the first
+    whatever its size, then more while the page stays within ``CATCHUP_PAGE_BYTES``."""
+    page: list[Manifest] = []
+    used = 0
+    for m in run[:256]:
+        size = snapshot.manifest_wire_bytes(m)
+        if page and used + size > limits.CATCHUP_PAGE_BYTES:
+            break
+        page.append(m)
+        used += size
+    return page
 
 
 def _listen_ip(host: Host) -> str:

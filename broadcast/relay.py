@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from echorl.protocol import snapshot, wire
+from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import (
     BroadcastAck, BroadcastDone, CatchUp, CatchUpRequest, Chunk, ChunkRequest, Manifest, Message,
@@ -47,6 +48,7 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
+from echorl.broadcast.deadlines import Deadlines
 from echorl.broadcast.store import VersionState, payload_chunks, rebuild_version
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
@@ -61,15 +63,17 @@ class Relay:
     def __init__(self, host: Host, learner_peer_id: str, run_id: str, *,
                  on_version: VersionCallback | None = None,
                  upload_limit: UploadLimiter | float | None = None, stall_s: float = 10.0,
-                 version_timeout_s: float = 600.0, keep: int = 3, direct: bool = True) -> None:
+                 version_timeout_s: float | None = None, keep: int = 3, direct: bool = True,
+                 deadlines: Deadlines | None = None) -> None:
         self.host = host
         self.learner = learner_peer_id
         self.run_id = run_id
         self.on_version = on_version
         self.stall_s = stall_s
-        self.version_timeout_s = version_timeout_s
+        self.version_timeout_s = version_timeout_s  # None: scaled with the version's bytes
+        self.deadlines = deadlines or Deadlines()
         limiter = upload_limit if isinstance(upload_limit, UploadLimiter) else UploadLimiter(upload_limit)
-        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct)
+        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct, deadlines=self.deadlines)
         self.direct = direct
         self.direct_streams = 0
         self.version = -1
@@ -138,7 +142,7 @@ class Relay:
         suspects: set[str] = set()
         recovered = [0]
         ok, detail = False, ""
-        with trio.move_on_after(self.version_timeout_s):
+        with trio.move_on_after(self.version_deadline(state)):
             async with trio.open_nursery() as nursery:
                 for s in range(state.n_stripes):
                     nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
@@ -148,6 +152,8 @@ class Relay:
         else:
             detail = f"{sum(d is None for d in state.data)} chunks missing at deadline"
         seconds = time.perf_counter() - t0
+        if ok and not recovered[0]:
+            self.deadlines.meter.add(state.manifest.payload_bytes, seconds)
         state.done.set()
         done = BroadcastDone(run_id=self.run_id, version=ann.version, ok=ok, seconds=seconds,
                              recovered_chunks=recovered[0], suspects=sorted(suspects)[:64], detail=detail[:1000])
@@ -160,6 +166,13 @@ class Relay:
                 await trio.sleep(0.5)
         if new:  # also when a catch-up moved us forward but short of this version
             await self._deliver()
+
+    def version_deadline(self, state: VersionState) -> float:
+        """Seconds a version may take to arrive: ``version_timeout_s`` if set, else scaled with
+        its payload bytes and the plan depth (``Deadlines``)."""
+        if self.version_timeout_s is not None:
+            return self.version_timeout_s
+        return self.deadlines.for_bytes(state.manifest.payload_bytes, hops=state.plan.depth)
 
     async def _receive_stripe(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
         parent = state.parents.get(s)
@@ -227,7 +240,8 @@ class Relay:
                             continue
                         try:
                             reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
-                                                            timeout=max(10.0, self.stall_s * 2))
+                                                            timeout=max(self.stall_s * 2, self.deadlines.for_bytes(
+                                                                state.manifest.chunk_bytes)))
                         except (PeerUnavailable, RemoteError):
                             continue
                         assert isinstance(reply, Chunk)
@@ -257,7 +271,7 @@ class Relay:
             if manifest.kind == "delta" and manifest.base_version != self.version:
                 # not at the base: relay the chunks (done) but catch up for ourselves; a holder
                 # may be one version behind this one, so apply the delta if we reached its base
-                await self._catch_up(None, 120.0)
+                await self._catch_up(None, None)
                 if self.version >= manifest.version or manifest.base_version != self.version:
                     return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
             base = self.result
@@ -300,13 +314,15 @@ class Relay:
         self.known_peers.clear()
 
     # --- catch-up -------------------------------------------------------------------------------
-    async def catch_up(self, sources: list[str] | None = None, timeout: float = 300.0, *,
+    async def catch_up(self, sources: list[str] | None = None, timeout: float | None = None, *,
                        only: bool = False) -> int:
         """Reach the newest version any holder has: its chain (newest full snapshot + deltas,
-        or only the deltas after our version), chunks fetched from any holder, each version
-        verified before use; ``on_version`` is called for the newest one reached. Returns the
-        version held afterwards. ``sources`` are asked first, then known peers and the learner;
-        with ``only``, nobody else (``[learner]``: the direct fetch from the learner's store)."""
+        or only the deltas after our version), page by page, chunks fetched from any holder,
+        each version verified before use; ``on_version`` is called for the newest one reached.
+        Returns the version held afterwards. ``sources`` are asked first, then known peers and
+        the learner; with ``only``, nobody else (``[learner]``: the direct fetch from the
+        learner's store). ``timeout`` caps the whole catch-up; None: every step has its own
+        deadline, scaled with the bytes it moves (``Deadlines``)."""
         before = self.version
         async with self._apply_lock:
             await self._catch_up(sources, timeout, only)
@@ -314,26 +330,36 @@ class Relay:
             await self._deliver()  # on_version for the newest version reached
         return self.version
 
-    async def _catch_up(self, sources: list[str] | None, timeout: float, only: bool = False) -> int:
+    async def _catch_up(self, sources: list[str] | None, timeout: float | None, only: bool = False) -> int:
         candidates = list(sources or [])
         if not only:
             candidates += [p for p in self.known_peers if p not in candidates] + [self.learner]
         candidates = list(dict.fromkeys(candidates))
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(math.inf if timeout is None else timeout):
             for src in candidates:
-                try:
-                    reply = await self.host.request(src, CATCHUP, CatchUpRequest(run_id=self.run_id,
-                                                                                 have_version=self.version),
-                                                    expect=CatchUp, timeout=15.0)
-                except (PeerUnavailable, RemoteError) as exc:
-                    log.info("catch-up from %s: %s", src[:16], exc)
-                    continue
-                assert isinstance(reply, CatchUp)
-                if not reply.manifests or reply.manifests[-1].version <= self.version:
-                    continue
-                if await self._follow_chain(reply.manifests, [src] + [c for c in candidates if c != src]):
+                if await self._catch_up_from(src, [src] + [c for c in candidates if c != src]):
                     break
         return self.version
+
+    async def _catch_up_from(self, src: str, holders: list[str]) -> bool:
+        """Follow ``src``'s chain page by page to its newest version; True if reached."""
+        progressed = False
+        while True:
+            try:
+                reply = await self.host.request(
+                    src, CATCHUP, CatchUpRequest(run_id=self.run_id, have_version=self.version),
+                    expect=CatchUp, timeout=self.deadlines.for_bytes(limits.MAX_FRAME_BYTES))
+            except (PeerUnavailable, RemoteError) as exc:
+                log.info("catch-up from %s: %s", src[:16], exc)
+                return False
+            assert isinstance(reply, CatchUp)
+            if not reply.manifests or reply.manifests[-1].version <= self.version:
+                return progressed and not reply.more
+            if not await self._follow_chain(reply.manifests, holders):
+                return False
+            progressed = True
+            if not reply.more:
+                return True
 
     async def _follow_chain(self, manifests: list[Manifest], holders: list[str]) -> bool:
         for m in manifests:
@@ -343,17 +369,25 @@ class Relay:
                 log.warning("catch-up manifest v%d refused: %s", m.version, exc)
                 return False
         start = self.version
+        needed = sum(m.payload_bytes for m in manifests if m.version > start)
+        with trio.move_on_after(self.deadlines.for_bytes(needed)):
+            await self._apply_chain(manifests, holders)
+        return self.version > start
+
+    async def _apply_chain(self, manifests: list[Manifest], holders: list[str]) -> None:
+        """Fetch, verify and apply each manifest newer than ours, in order; stop at a gap."""
         for m in manifests:
             if m.version <= self.version:
                 continue
             if m.kind == "delta" and m.base_version != self.version:
-                return False
+                return
             assembler = snapshot.ChunkAssembler(m)
             for d in assembler.missing():
                 data = self.server.find_chunk(d)
                 for src in holders if data is None else []:
                     try:
-                        reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk, timeout=30.0)
+                        reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
+                                                        timeout=self.deadlines.for_bytes(m.chunk_bytes))
                         assert isinstance(reply, Chunk)
                         await trio.to_thread.run_sync(assembler.check, d, reply.data)
                         data = reply.data
@@ -361,7 +395,7 @@ class Relay:
                     except (PeerUnavailable, RemoteError, ProtocolError):
                         continue
                 if data is None:
-                    return False
+                    return
                 assembler.add(d, data)
             chunks = {ref.digest: assembler.get(ref.digest) for ref in m.chunks}
             payload = assembler.payload()
@@ -371,7 +405,6 @@ class Relay:
                 result = await trio.to_thread.run_sync(rebuild_version, m, payload, base)
             except ProtocolError as exc:
                 log.warning("catch-up v%d failed verification: %s", m.version, exc)
-                return False
+                return
             self.version, self.result = m.version, result
             self.server.chain.hold(m, chunks)  # type: ignore[arg-type]
-        return self.version > start

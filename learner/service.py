@@ -389,9 +389,12 @@ class LearnerService:
         return LeaseReturn(run_id=self.run_id, lease_ids=[r.lease_id for r in returned])
 
     async def on_status(self, msg: Message, ctx: RequestContext) -> Message:
-        return self.status()
+        assert isinstance(msg, StatusRequest)
+        return self.status(msg.cursor or 0, msg.limit or 0)
 
-    def status(self) -> Status:
+    def status(self, cursor: int = 0, limit: int = 0) -> Status:
+        """One page of the status: the learner's summary and peers ``cursor``…``cursor+limit``
+        in join order (``limit`` 0: the default page size)."""
         now = time.monotonic()
         learner = {"peer_id": self.identity.peer_id, "version": self.version, "staleness_bound": self.policy.staleness,
                    "buffer": len(self.buffer), "leases_active": len(self.book.active),
@@ -401,8 +404,10 @@ class LearnerService:
                    "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
         learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
         learner.update(self.activation_metrics())
+        limit = min(limit or limits.DEFAULT_STATUS_PAGE, limits.MAX_STATUS_PAGE)
+        known = list(self.peers.values())
         peers = []
-        for p in self.peers.values():
+        for p in known[cursor:cursor + limit]:
             c = p.capability
             peers.append({"peer_id": p.peer_id, "device": c.device, "engine": c.engine, "version": p.version,
                           "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
@@ -411,7 +416,9 @@ class LearnerService:
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
                           "standby": self.is_standby(p.peer_id)})
-        return Status(run_id=self.run_id, learner=learner, peers=peers)
+        more = cursor + limit < len(known)
+        return Status(run_id=self.run_id, learner=learner, peers=peers,
+                      next_cursor=cursor + limit if more else None, total_peers=len(known))
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
         """The joined nodes a version is broadcast to: alive and heard from recently."""

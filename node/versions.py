@@ -29,8 +29,6 @@ from echorl.node.state import SnapshotKeeper
 log = logging.getLogger("echorl.node.daemon")
 
 WAIT_FOR_BROADCAST_S = 3.0  # a refused node first waits this long for the broadcast in flight
-CATCH_UP_TIMEOUT_S = 30.0
-FETCH_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -158,7 +156,7 @@ class NodeWeights:
                     await self.changed.wait()
             if self.version >= target:
                 return
-        await self.relay.catch_up(timeout=CATCH_UP_TIMEOUT_S)
+        await self.relay.catch_up()  # deadlines scale with the bytes moved
         if self.version < target:
             await self._fetch()
 
@@ -168,7 +166,7 @@ class NodeWeights:
         t0, before = time.perf_counter(), self.version
         self._via = "fetch"
         try:
-            await self.relay.catch_up([self.relay.learner], timeout=FETCH_TIMEOUT_S, only=True)
+            await self.relay.catch_up([self.relay.learner], only=True)
         finally:
             self._via = "relay"
         if self.version > before:
