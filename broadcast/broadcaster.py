@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -71,12 +72,12 @@ from echorl.protocol import delta as delta_mod
 from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
-from echorl.protocol.messages import BroadcastAck, BroadcastDone, Chunk, Manifest, Message, PlanAnnounce, PlanMember
+from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Message, PlanAnnounce, PlanMember
 from echorl.protocol.routes import ANNOUNCE, DONE
 
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
 from echorl.broadcast.deadlines import Deadlines
-from echorl.broadcast.store import VersionState
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.transport import UploadLimiter
 
@@ -115,7 +116,8 @@ class Broadcaster:
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 0.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
-                 liveness_misses: int = 2, retain: int = 0, deadlines: Deadlines | None = None) -> None:
+                 liveness_misses: int = 2, retain: int = 0, deadlines: Deadlines | None = None,
+                 store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -133,7 +135,7 @@ class Broadcaster:
         self.deadlines = deadlines or Deadlines()
         self.limiter = _as_limiter(upload_limit)
         self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct,
-                                  deadlines=self.deadlines)
+                                  deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes))
         # (version, safetensors bytes) last published; the bytes only for a delta (a full
         # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
         self._prev: tuple[int, bytes | None] | None = None
@@ -200,11 +202,11 @@ class Broadcaster:
             self._done_changed = trio.Event()
         return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
 
-    async def _build(self, version: int, data: bytes) -> tuple[Manifest, list[bytes], list[bytes]]:
+    async def _build(self, version: int, data: bytes) -> tuple[Manifest, bytes]:
         prev = self._prev
         chunk_bytes = self.chunk_bytes
 
-        def build() -> tuple[Manifest, list[bytes], list[bytes]]:
+        def build() -> tuple[Manifest, bytes]:
             payload, kind, base = data, "full", -1
             base_bytes = None
             if prev is not None and self._since_full + 1 < self.full_every:
@@ -216,11 +218,10 @@ class Broadcaster:
                         payload, kind, base = d, "delta", prev[0]
                 except ValueError:  # layout changed: full snapshot
                     pass
-            manifest, chunks = snapshot.build_manifest(
+            manifest, _ = snapshot.build_manifest(
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
                 kind=kind, base_version=base, chunk_bytes=chunk_bytes)
-            bodies = [wire.encode(Chunk(digest=ref.digest, data=c)) for ref, c in zip(manifest.chunks, chunks)]
-            return manifest, chunks, bodies
+            return manifest, payload
 
         return await trio.to_thread.run_sync(build)
 
@@ -232,7 +233,7 @@ class Broadcaster:
             raise ValueError(f"version {version} is not newer than {self._prev[0]}")
         nodes = [n if isinstance(n, NodeInfo) else NodeInfo(n[0], bool(n[1]), tuple(n[2])) for n in nodes]
         t_build = time.perf_counter()
-        manifest, chunks, bodies = await self._build(version, safetensors_bytes)
+        manifest, payload = await self._build(version, safetensors_bytes)
         build_seconds = time.perf_counter() - t_build
         self._since_full = 0 if manifest.kind == "full" else self._since_full + 1
         self._prev = (version, safetensors_bytes if manifest.kind == "delta" else None)
@@ -250,12 +251,12 @@ class Broadcaster:
             run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version, manifest=manifest,
             shape=shape or self.shape, fanout=self.fanout, seed=self.seed if seed is None else seed,
             learner_addrs=self.host.addrs[:16], members=members, created_at=time.time()), self.identity)
-        state = VersionState(ann, self.host.peer_id)
-        for ref, c, body in zip(manifest.chunks, chunks, bodies):
-            state.put(ref.digest, c, body)  # the body is kept, its bytes are a view into it
-        del chunks, bodies
+        state = VersionState(ann, self.host.peer_id, self.server.store)
+        await state.fill(payload)  # the store's file: served from disk through the chunk cache
+        del payload
         self.server.add_state(state)
-        self.server.chain.hold(manifest, state.chunks())
+        self.server.chain.hold(manifest, state.path)
+        await self.server.collect()
         self._done[version] = {}
         while len(self._done) > 8:
             self._done.pop(next(iter(self._done)))

@@ -10,6 +10,7 @@ import logging
 import os as _os
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -22,7 +23,8 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import CATCHUP, CHUNK, ROUTES, STREAM, TICKET
 
 from echorl.broadcast.deadlines import Deadlines
-from echorl.broadcast.store import ChunkBytes, HeldChain, VersionState, distinct_bytes
+from echorl.broadcast.files import read_at
+from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
 from echorl.net.host import Host, RequestContext
 from echorl.net.transport import Libp2pTransport, TcpStreamAdapter, UploadLimiter, ip_of, serve_raw
@@ -37,7 +39,7 @@ class ChunkServer:
 
     def __init__(self, host: Host, run_id: str, limiter: UploadLimiter, *, keep: int = 3, retain: int = 0,
                  announce_wait_s: float = 15.0, io_timeout_s: float = 120.0, direct: bool = True,
-                 deadlines: Deadlines | None = None) -> None:
+                 deadlines: Deadlines | None = None, store: WeightStore | None = None) -> None:
         self.host = host
         self.run_id = run_id
         self.limiter = limiter
@@ -48,6 +50,8 @@ class ChunkServer:
         self.states: OrderedDict[int, VersionState] = OrderedDict()
         self._state_events: dict[int, trio.Event] = {}
         self.chain = HeldChain(retain)  # verified versions kept for catch-up (and spot checks)
+        self.store = store or WeightStore()
+        self.pinned: set[Path] = set()  # files in use besides the states and the chain
         self.direct = direct
         self.direct_port: int | None = None  # set while serve_direct runs
         self._tickets: dict[bytes, tuple[str, int, int, float]] = {}  # ticket -> (peer, version, stripe, expiry)
@@ -71,19 +75,40 @@ class ChunkServer:
             await ev.wait()
         return self.states.get(version)
 
-    def find_chunk(self, d: bytes) -> ChunkBytes | None:
+    def locate(self, d: bytes) -> tuple[Path, int, int] | None:
+        """(file, offset, size) of a held chunk: a version in flight, else the chain."""
         for state in reversed(self.states.values()):
-            data = state.get_by_digest(d)
-            if data is not None:
-                return data
-        return self.chain.find_chunk(d)
+            i = state.index_of(d)
+            if i is not None:
+                return state.path, state.offset(i), state.manifest.chunks[i].size
+        return self.chain.locate(d)
+
+    async def find_chunk(self, d: bytes) -> bytes | None:
+        """A held chunk's bytes (read in a worker thread; not verified again), or None."""
+        where = self.locate(d)
+        if where is None:
+            return None
+        try:
+            data = await trio.to_thread.run_sync(read_at, *where)
+        except OSError:
+            return None
+        return data if len(data) == where[2] else None
+
+    def live_paths(self) -> set[Path]:
+        return {s.path for s in self.states.values()} | self.chain.paths() | self.pinned
+
+    async def collect(self) -> None:
+        """Remove the weight files no version in flight, held version or pin uses."""
+        await self.store.collect(self.live_paths())
 
     def held_bytes(self) -> int:
-        """Bytes of weight chunks this peer holds (versions in flight and the chain), each
-        buffer counted once."""
-        in_flight = (b for state in self.states.values() for b in state.bodies if b is not None)
-        chained = (c for _, chunks in self.chain.entries for c in chunks.values())
-        return distinct_bytes([*in_flight, *chained])
+        """Bytes of weight files this peer holds on disk (versions in flight, the chain and
+        pinned results), each file counted once."""
+        return self.store.disk_bytes(self.live_paths())
+
+    def memory_bytes(self) -> int:
+        """Bytes of chunk bodies held in memory (the cache): bounded by its ``max_bytes``."""
+        return self.store.cache.bytes
 
     # --- serving --------------------------------------------------------------------------------
     def install_serving(self) -> None:
@@ -161,9 +186,7 @@ class ChunkServer:
         with trio.fail_after(self.stripe_deadline(state, stripe)):
             for i in state.stripe_indices(stripe):
                 await state.wait_for(i)
-                body = state.bodies[i]
-                assert body is not None
-                await self.transport.send(stream, body)
+                await self.transport.send(stream, await state.body(i))
             with trio.move_on_after(5.0):
                 await stream.close()
 
@@ -177,11 +200,11 @@ class ChunkServer:
 
     async def _on_chunk(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, ChunkRequest)
-        data = self.find_chunk(msg.digest)
+        data = await self.find_chunk(msg.digest)
         if data is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "chunk not held")
         await self.limiter.acquire(len(data))
-        return Chunk(digest=msg.digest, data=bytes(data))
+        return Chunk(digest=msg.digest, data=data)
 
     async def _on_catch_up(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, CatchUpRequest)

@@ -210,3 +210,31 @@ def _patch_one(out: Path, t: snapshot.TensorSlice, entry: object) -> None:
     buf = bytearray(read_at(out, t.start, t.end - t.start))
     delta_mod._apply_tensor(buf, dataclasses.replace(t, start=0, end=t.end - t.start), entry)
     write_at(out, t.start, buf)
+
+
+def write_chunk(path: Path, manifest: Manifest, indices: list[int], d: bytes, data: bytes) -> None:
+    """Check ``data`` is the manifest's chunk ``d`` (size and digest), then write it at each of
+    its ``indices``. Raises ``ProtocolError(BAD_CHUNK)`` and writes nothing if it is not."""
+    if len(data) != manifest.chunks[indices[0]].size or snapshot.digest(data) != d:
+        raise ProtocolError(ErrorCode.BAD_CHUNK, "chunk bytes do not match their digest")
+    for i in indices:
+        write_at(path, i * manifest.chunk_bytes, data)
+
+
+def rebuild_file(manifest: Manifest, payload: Path, base: Path | None, out: Path, *,
+                 base_digest: bytes | None = None) -> Path:
+    """The version's safetensors file from its verified payload file: the payload itself for a
+    full version, else ``out`` = the delta applied to ``base``; checked bit for bit against the
+    manifest (``verify_result_file``). Raises ``ProtocolError`` (and removes ``out``)."""
+    if manifest.kind == "full":
+        verify_result_file(manifest, payload)
+        return payload
+    if base is None:
+        raise ProtocolError(ErrorCode.BAD_MANIFEST, f"delta v{manifest.version} needs its base version")
+    apply_delta_file(base, payload, out, base_digest=base_digest)
+    try:
+        verify_result_file(manifest, out)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out

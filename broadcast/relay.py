@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from pathlib import Path
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,13 +50,16 @@ from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
 from echorl.broadcast.deadlines import Deadlines
-from echorl.broadcast.store import VersionState, payload_chunks, rebuild_version
+from echorl.broadcast.files import (
+    chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
+)
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
 
 log = logging.getLogger("echorl.broadcast.relay")
 
-VersionCallback = Callable[[int, bytes], Any]
+VersionCallback = Callable[[int, Path], Any]
 INLINE_HASH_BYTES = 512 * 1024  # chunks up to this size are hashed on the loop (< 0.5 ms)
 
 
@@ -64,7 +68,8 @@ class Relay:
                  on_version: VersionCallback | None = None,
                  upload_limit: UploadLimiter | float | None = None, stall_s: float = 10.0,
                  version_timeout_s: float | None = None, keep: int = 3, direct: bool = True,
-                 deadlines: Deadlines | None = None) -> None:
+                 deadlines: Deadlines | None = None, store_dir: Path | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.host = host
         self.learner = learner_peer_id
         self.run_id = run_id
@@ -73,11 +78,13 @@ class Relay:
         self.version_timeout_s = version_timeout_s  # None: scaled with the version's bytes
         self.deadlines = deadlines or Deadlines()
         limiter = upload_limit if isinstance(upload_limit, UploadLimiter) else UploadLimiter(upload_limit)
-        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct, deadlines=self.deadlines)
+        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct, deadlines=self.deadlines,
+                                  store=WeightStore(store_dir, cache_bytes))
         self.direct = direct
         self.direct_streams = 0
         self.version = -1
-        self.result: bytes | None = None
+        self.result_path: Path | None = None  # the newest verified version's safetensors file
+        self._result_digest: bytes | None = None
         self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[PlanAnnounce](16)
         self._apply_lock = trio.Lock()
@@ -110,7 +117,7 @@ class Relay:
         await trio.to_thread.run_sync(check)
         # also versions we already hold (e.g. caught up): our plan children still need the chunks
         if msg.version not in self.server.states:
-            state = VersionState(msg, self.host.peer_id)
+            state = VersionState(msg, self.host.peer_id, self.server.store)
             if self.host.peer_id not in state.plan.peers:
                 raise ProtocolError(ErrorCode.NOT_FOUND, "not a member of this plan")
             for m in msg.members:
@@ -148,9 +155,9 @@ class Relay:
                     nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
         new = False
         if state.complete:
-            ok, detail, new = await self._apply(state.manifest, state.payload(), state.chunks())
+            ok, detail, new = await self._apply(state.manifest, state.path)
         else:
-            detail = f"{sum(d is None for d in state.data)} chunks missing at deadline"
+            detail = f"{state.missing()} chunks missing at deadline"
         seconds = time.perf_counter() - t0
         if ok and not recovered[0]:
             self.deadlines.meter.add(state.manifest.payload_bytes, seconds)
@@ -212,7 +219,7 @@ class Relay:
                     state.verify(msg.digest, msg.data)  # ~0.1 ms: cheaper than a thread hop
                 else:
                     await trio.to_thread.run_sync(state.verify, msg.digest, msg.data)
-                state.put(msg.digest, msg.data, body)
+                await state.put(msg.digest, msg.data, body)
                 if state.stripe_complete(s):
                     return
             if not state.stripe_complete(s):
@@ -250,7 +257,7 @@ class Relay:
                         except ProtocolError:
                             suspects.add(src)
                             continue
-                        if state.put(d, reply.data):
+                        if await state.put(d, reply.data):
                             recovered[0] += 1
                         return
                     await trio.sleep(min(2.0, 0.2 * (attempt + 1)))
@@ -260,10 +267,15 @@ class Relay:
                 nursery.start_soon(fetch, i)
 
     # --- applying -------------------------------------------------------------------------------
-    async def _apply(self, manifest: Manifest, payload: bytes,
-                     chunks: dict[bytes, memoryview]) -> tuple[bool, str, bool]:
-        """Verify and apply a complete payload: (ok = we hold ``manifest.version`` or newer,
-        detail, new = ``self.version`` changed)."""
+    @property
+    def result(self) -> bytes | None:
+        """The newest verified version's bytes, read from its file (tests, small models; a
+        large model is used through ``result_path``)."""
+        return None if self.result_path is None else self.result_path.read_bytes()
+
+    async def _apply(self, manifest: Manifest, payload: Path) -> tuple[bool, str, bool]:
+        """Verify and apply a complete payload file: (ok = we hold ``manifest.version`` or
+        newer, detail, new = ``self.version`` changed)."""
         async with self._apply_lock:
             if manifest.version <= self.version:
                 return True, "already held", False
@@ -274,41 +286,64 @@ class Relay:
                 await self._catch_up(None, None)
                 if self.version >= manifest.version or manifest.base_version != self.version:
                     return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
-            base = self.result
-
             try:
-                result = await trio.to_thread.run_sync(rebuild_version, manifest, payload, base)
+                await self._take(manifest, payload)
             except ProtocolError as exc:
                 return False, f"verification failed: {exc}", self.version != before
-            self.version, self.result = manifest.version, result
-            self.server.chain.hold(manifest, chunks)
             return True, "", True
 
+    async def _take(self, manifest: Manifest, payload: Path) -> None:
+        """Rebuild and verify ``manifest``'s version from its payload file (streaming over the
+        files, in a worker thread) and make it ours. Raises ``ProtocolError``."""
+        out = self.server.store.new_path(manifest.version, "safetensors")
+        base, base_digest = self.result_path, self._result_digest
+        result = await trio.to_thread.run_sync(
+            lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest))
+        self._set_result(manifest.version, result, manifest.result_digest)
+        self.server.chain.hold(manifest, payload)
+        await self.server.collect()
+
+    def _set_result(self, version: int, path: Path | None, digest: bytes | None) -> None:
+        self.version, self.result_path, self._result_digest = version, path, digest
+        self.server.pinned = set() if path is None else {path}
+
     async def _deliver(self) -> None:
-        if self.on_version is None or self.result is None:
+        if self.on_version is None or self.result_path is None:
             return
-        out = self.on_version(self.version, self.result)
+        out = self.on_version(self.version, self.result_path)
         if inspect.isawaitable(out):
             await out
 
-    async def adopt(self, version: int, result: bytes, manifest: Manifest | None = None) -> bool:
-        """Take a version obtained another way (the daemon's fallback fetch or its on-disk
-        snapshot, already verified against its signed manifest) as the base for the next deltas;
-        True if newer. With its *full* manifest the version is also served to peers catching up."""
+    async def adopt(self, version: int, result: bytes | Path, manifest: Manifest | None = None) -> bool:
+        """Take a version obtained another way (the daemon's on-disk snapshot: a file, linked
+        into the store, not copied; or bytes), already verified against its signed manifest, as
+        the base for the next deltas; True if newer. With its *full* manifest the version is also
+        served to peers catching up."""
         async with self._apply_lock:
             if version <= self.version:
                 return False
-            self.version, self.result = version, result
-            if manifest is not None and manifest.kind == "full" and manifest.version == version:
-                chunks = await trio.to_thread.run_sync(payload_chunks, manifest, result)
-                if chunks is not None:
-                    self.server.chain.hold(manifest, chunks)
+            path = self.server.store.new_path(version, "safetensors")
+
+            def place() -> tuple[bytes, bool]:
+                if isinstance(result, Path):
+                    link_or_copy(result, path)
+                else:
+                    write_at(path, 0, result)
+                full = manifest is not None and manifest.kind == "full" and manifest.version == version
+                digest = manifest.result_digest if manifest is not None else file_digest(path)
+                return digest, full and chunks_match_file(manifest, path)
+
+            digest, serve = await trio.to_thread.run_sync(place)
+            self._set_result(version, path, digest)
+            if serve:
+                self.server.chain.hold(manifest, path)  # type: ignore[arg-type]
+            await self.server.collect()
             return True
 
     def reset(self, learner_peer_id: str) -> None:
         """Forget every version (the learner restarted from an older checkpoint, or changed)."""
         self.learner = learner_peer_id
-        self.version, self.result = -1, None
+        self._set_result(-1, None, None)
         self.server.chain.clear()
         self.server.states.clear()
         self.known_peers.clear()
@@ -381,30 +416,44 @@ class Relay:
                 continue
             if m.kind == "delta" and m.base_version != self.version:
                 return
-            assembler = snapshot.ChunkAssembler(m)
-            for d in assembler.missing():
-                data = self.server.find_chunk(d)
-                for src in holders if data is None else []:
-                    try:
-                        reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
-                                                        timeout=self.deadlines.for_bytes(m.chunk_bytes))
-                        assert isinstance(reply, Chunk)
-                        await trio.to_thread.run_sync(assembler.check, d, reply.data)
-                        data = reply.data
-                        break
-                    except (PeerUnavailable, RemoteError, ProtocolError):
-                        continue
-                if data is None:
-                    return
-                assembler.add(d, data)
-            chunks = {ref.digest: assembler.get(ref.digest) for ref in m.chunks}
-            payload = assembler.payload()
-            base = self.result
-
+            path = self.server.store.new_path(m.version)
+            self.server.pinned.add(path)  # not collected while it is being filled
             try:
-                result = await trio.to_thread.run_sync(rebuild_version, m, payload, base)
+                if not await self._fetch_payload(m, path, holders):
+                    return
+                await self._take(m, path)
             except ProtocolError as exc:
                 log.warning("catch-up v%d failed verification: %s", m.version, exc)
                 return
-            self.version, self.result = m.version, result
-            self.server.chain.hold(m, chunks)  # type: ignore[arg-type]
+            finally:
+                if path != self.result_path:
+                    self.server.pinned.discard(path)
+
+    async def _fetch_payload(self, m: Manifest, path: Path, holders: list[str]) -> bool:
+        """Fill ``path`` with ``m``'s payload, chunk by chunk (held here, else from ``holders``),
+        each verified before it is written; False if a chunk could not be had."""
+        await trio.to_thread.run_sync(create_file, path, m.payload_bytes)
+        where: dict[bytes, list[int]] = {}
+        for i, ref in enumerate(m.chunks):
+            where.setdefault(ref.digest, []).append(i)
+        for d, idx in where.items():
+            data = await self.server.find_chunk(d)
+            sources = holders if data is None else []
+            if data is not None:
+                try:
+                    await trio.to_thread.run_sync(write_chunk, path, m, idx, d, data)
+                    continue
+                except ProtocolError:
+                    sources = holders
+            for src in sources:
+                try:
+                    reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
+                                                    timeout=self.deadlines.for_bytes(m.chunk_bytes))
+                    assert isinstance(reply, Chunk)
+                    await trio.to_thread.run_sync(write_chunk, path, m, idx, d, reply.data)
+                    break
+                except (PeerUnavailable, RemoteError, ProtocolError):
+                    continue
+            else:
+                return False
+        return True

@@ -248,6 +248,15 @@ def state_dict_to_safetensors(state_dict: dict[str, Any]) -> bytes:
     return save({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()})
 
 
+def safetensors_file_to_state_dict(path: Any) -> dict[str, Any]:
+    """A state dict from a safetensors file, read one tensor at a time (``safe_open``): the
+    file's bytes are never in memory at once beside the tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
 def safetensors_to_state_dict(data: bytes) -> dict[str, Any]:
     from safetensors.torch import load
 

@@ -10,7 +10,7 @@ from echorl.broadcast import chunk_server
 from echorl.broadcast.broadcaster import Broadcaster
 from echorl.broadcast.deadlines import MB, BandwidthMeter, Deadlines, transfer_deadline
 from echorl.broadcast.relay import Relay
-from echorl.broadcast.store import VersionState
+from echorl.broadcast.store import VersionState, WeightStore
 from echorl.net.host import open_host
 from echorl.protocol import snapshot, wire
 from echorl.protocol.identity import Identity
@@ -69,7 +69,8 @@ def test_relay_and_chunk_server_deadlines_grow_with_the_version():
     relay = Relay.__new__(Relay)
     relay.version_timeout_s, relay.deadlines = None, d
     me = small.members[0].peer_id
-    s_state, b_state = VersionState(small, me), VersionState(big, big.members[0].peer_id)
+    store = WeightStore()
+    s_state, b_state = VersionState(small, me, store), VersionState(big, big.members[0].peer_id, store)
     depth = s_state.plan.depth
     assert relay.version_deadline(s_state) == pytest.approx(depth + small.manifest.payload_bytes / MB)
     assert relay.version_deadline(b_state) == pytest.approx(b_state.plan.depth + big.manifest.payload_bytes / MB)
