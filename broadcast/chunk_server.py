@@ -1,7 +1,8 @@
 """The serving side of the one weight path: ``ChunkServer`` streams a version's chunks to plan
 children (libp2p or the ticketed direct TCP path) and answers content-addressed ``ChunkRequest``
 and ``CatchUpRequest`` from the peer's one store (``broadcast/store.py``: the versions in flight
-and the held chain). The learner's ``Broadcaster`` and each node's ``Relay`` use it alike; a
+and the held chain, as files; frames come from the chunk cache or are read by offset in a worker
+thread). The learner's ``Broadcaster`` and each node's ``Relay`` use it alike; a
 node's direct fetch from the learner is a catch-up with the learner as the only source."""
 
 from __future__ import annotations

@@ -10,13 +10,16 @@ Contract (see also ``broadcast/broadcaster.py``)::
     nursery.start_soon(relay.run)                    # receive jobs + the direct TCP chunk port
     await relay.catch_up()                           # late joiner / missed versions: newest full
                                                      # snapshot + deltas from any holder
-    relay.version, relay.result                      # newest fully verified version and its bytes
+    relay.version, relay.result_path                 # newest fully verified version and its file
 
-``on_version`` runs on the trio loop after the version is verified and reported to the learner:
-a sync callback must be quick (hand heavy work such as ``load_state_dict`` to a thread); an
-async one is awaited (the next version's relaying continues meanwhile, in other tasks). The
-newest verified snapshot is kept in memory (``relay.result``, plus its chunks for serving);
-on-disk persistence is not done here (the daemon may write ``relay.result`` itself).
+``on_version(version, path)`` runs on the trio loop after the version is verified and reported
+to the learner, with the version's safetensors file: a sync callback must be quick (hand heavy
+work such as ``load_state_dict`` to a thread); an async one is awaited (the next version's
+relaying continues meanwhile, in other tasks). Weights live on disk (``store_dir``, a temporary
+directory by default): each version's payload is a file written chunk by chunk as each chunk is
+verified, a delta's result another file; memory holds the chunk cache (``cache_bytes``) and the
+largest changed tensor while a delta is applied, whatever the model's size. The file must not be
+modified; a caller that keeps it past the next version hard-links it (``SnapshotKeeper``).
 
 A version is used (``on_version``, ``relay.result``) only after the rebuilt safetensors file
 matched the signed manifest's result digest and every tensor digest. A parent that sends a bad

@@ -67,10 +67,10 @@ async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> N
             nursery.cancel_scope.cancel()
 
 
-def rss_mb() -> float:
-    """This process's resident memory (VmRSS), in MiB; 0 where /proc is missing."""
+def rss_mb(pid: int | None = None) -> float:
+    """A process's resident memory (VmRSS; default: this one), in MiB; 0 where /proc is missing."""
     try:
-        with open(f"/proc/{os.getpid()}/status") as f:
+        with open(f"/proc/{pid or os.getpid()}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
     except (OSError, StopIteration, ValueError):
         return 0.0

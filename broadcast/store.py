@@ -119,12 +119,15 @@ class VersionState:
         self.done = trio.Event()
         self.started = time.monotonic()
         self._opened = False
+        self._open_lock = trio.Lock()
 
     async def open(self) -> None:
-        """Create the payload file (its full size, sparse) before the first chunk."""
-        if not self._opened:
-            await trio.to_thread.run_sync(create_file, self.path, self.manifest.payload_bytes)
-            self._opened = True
+        """Create the payload file (its full size, sparse) before the first chunk (once: the
+        stripes' first chunks arrive together)."""
+        async with self._open_lock:
+            if not self._opened:
+                await trio.to_thread.run_sync(create_file, self.path, self.manifest.payload_bytes)
+                self._opened = True
 
     def offset(self, i: int) -> int:
         return i * self.manifest.chunk_bytes

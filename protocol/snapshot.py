@@ -113,10 +113,15 @@ def tensor_entries(data: bytes | memoryview) -> list[TensorEntry]:
 
 
 def split_chunks(payload: bytes, chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES) -> list[bytes]:
+    return [bytes(v) for v in chunk_views(payload, chunk_bytes)]
+
+
+def chunk_views(payload: bytes | memoryview, chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES) -> list[memoryview]:
+    """``payload`` cut at ``chunk_bytes``, as views (no copy: a large payload is not doubled)."""
     if not 1 <= chunk_bytes <= limits.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size must be in [1, {limits.MAX_CHUNK_BYTES}]")
     view = memoryview(payload)
-    return [bytes(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
+    return [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
 
 
 def build_manifest(
@@ -130,10 +135,10 @@ def build_manifest(
     kind: str = "full",
     base_version: int = -1,
     chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES,
-) -> tuple[Manifest, list[bytes]]:
-    """Cut ``payload`` into chunks and sign a manifest for it. ``result`` is the version's
-    safetensors file (equal to ``payload`` for a full version)."""
-    chunks = split_chunks(payload, chunk_bytes)
+) -> tuple[Manifest, list[memoryview]]:
+    """Cut ``payload`` into chunks (views into it) and sign a manifest for it. ``result`` is the
+    version's safetensors file (equal to ``payload`` for a full version)."""
+    chunks = chunk_views(payload, chunk_bytes)
     manifest = Manifest(
         run_id=run_id,
         learner_peer_id=identity.peer_id,

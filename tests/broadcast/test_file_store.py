@@ -133,7 +133,7 @@ def test_a_version_larger_than_the_cache_moves_through_relays_and_verifies(tmp_p
                     assert r.server.held_bytes() <= 2 * len(versions[-1]) + bc.server.held_bytes()
                 assert bc.server.store.cache.peak_bytes <= cache
                 assert bc.server.store.cache.misses > 0  # the learner serves from its file
-                assert relays[0].server.store.cache.hits > 0  # the interior relay forwards from its cache
+                assert sum(r.server.store.cache.hits for r in relays) > 0  # the interior relay forwards from its cache
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
