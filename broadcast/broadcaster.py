@@ -62,8 +62,8 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 import trio
@@ -73,10 +73,11 @@ from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Message, PlanAnnounce, PlanMember
+from echorl.protocol.plan import BroadcastPlan
 from echorl.protocol.routes import ANNOUNCE, DONE
 
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
-from echorl.broadcast.deadlines import Deadlines
+from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.transport import UploadLimiter
@@ -169,11 +170,13 @@ class Broadcaster:
         nbytes = snapshot.manifest_wire_bytes(manifest) + 1100 * members
         return max(self.announce_timeout_s, self.deadlines.for_bytes(nbytes))
 
-    def done_deadline(self, manifest: Manifest, depth: int, timeout: float | None = None) -> float:
+    def done_deadline(self, manifest: Manifest, plan: BroadcastPlan, timeout: float | None = None) -> float:
         """Seconds to wait for every node's ``BroadcastDone``: the version's payload through the
-        plan's depth (``Deadlines``), or longer if ``timeout`` (else ``done_timeout_s``) says so."""
+        plan's busiest upload and depth (``Deadlines``), or longer if ``timeout`` (else
+        ``done_timeout_s``) says so."""
         floor = self.done_timeout_s if timeout is None else timeout
-        return max(floor, self.deadlines.for_bytes(manifest.payload_bytes, hops=max(1, depth)))
+        nbytes = int(manifest.payload_bytes * upload_copies(plan))
+        return max(floor, self.deadlines.for_bytes(nbytes, hops=max(1, plan.depth)))
 
     async def _probe(self, pending: set[str], gone: set[str], failures: dict[str, int]) -> None:
         """Ping the nodes still pending; one that misses ``liveness_misses`` pings in a row is
@@ -278,7 +281,7 @@ class Broadcaster:
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
-        with trio.move_on_after(self.done_deadline(manifest, state.plan.depth, timeout)):
+        with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)):
             while not (announced - gone).issubset(done):
                 with trio.move_on_after(self.liveness_every_s):
                     await self._done_changed.wait()

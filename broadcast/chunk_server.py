@@ -23,7 +23,7 @@ from echorl.protocol.messages import (
 )
 from echorl.protocol.routes import CATCHUP, CHUNK, ROUTES, STREAM, TICKET
 
-from echorl.broadcast.deadlines import Deadlines
+from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import read_at
 from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
@@ -179,9 +179,11 @@ class ChunkServer:
             await trio.aclose_forcefully(tcp)
 
     def stripe_deadline(self, state: VersionState, stripe: int) -> float:
-        """Seconds a stripe's stream may take: its bytes, waited for through the plan's depth."""
+        """Seconds a stripe's stream may take: its bytes, at the share of the busiest uploader's
+        link one stripe gets, waited for through the plan's depth."""
         nbytes = sum(state.manifest.chunks[i].size for i in state.stripe_indices(stripe))
-        return self.deadlines.for_bytes(nbytes, hops=state.plan.depth)
+        return self.deadlines.for_bytes(int(nbytes * upload_copies(state.plan) * state.n_stripes),
+                                        hops=state.plan.depth)
 
     async def _serve_stripe(self, stream: Any, state: VersionState, stripe: int) -> None:
         with trio.fail_after(self.stripe_deadline(state, stripe)):

@@ -6,6 +6,8 @@ chunk stream, catch-up, version apply, the learner's wait for ``BroadcastDone``)
 
     deadline_s = base_s + bytes / max(floor_bps, measured_bps) × safety
 
+``bytes`` is what the busiest link must carry: a version's payload times ``upload_copies(plan)``
+(the copies the busiest uploader of the plan sends), a stripe's share, a chunk, a frame.
 ``measured_bps`` is this peer's own recent throughput (an exponentially weighted mean of the
 versions it moved, ``BandwidthMeter``), so a fast swarm keeps short deadlines; ``floor_bps``
 keeps one slow measurement from shrinking a deadline below what a slow but live volunteer link
@@ -15,6 +17,8 @@ needs, and bounds the deadline before anything was measured. See docs/architectu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from echorl.protocol.plan import BroadcastPlan
 
 MB = 1_000_000
 
@@ -53,6 +57,17 @@ class Deadlines:
         """Seconds allowed to move ``nbytes`` (plus ``base_s`` per hop on the path)."""
         return transfer_deadline(nbytes, self.meter.bps, base_s=self.base_s * max(1, hops),
                                  floor_bps=self.floor_bps, safety=self.safety)
+
+
+def upload_copies(plan: BroadcastPlan) -> float:
+    """Copies of the payload the busiest uploader of ``plan`` sends (its children summed over
+    the stripes, each stripe 1/k of the payload): what one version costs the slowest link. About
+    1 + 1/k for the striped plan, k for one k-ary tree, N for a star."""
+    load: dict[str, int] = {}
+    for stripe in plan.stripes:
+        for parent, children in stripe.children.items():
+            load[parent] = load.get(parent, 0) + len(children)
+    return max(1.0, max(load.values(), default=1) / max(1, len(plan.stripes)))
 
 
 def transfer_deadline(nbytes: int, measured_bps: float = 0.0, *, base_s: float = 10.0,

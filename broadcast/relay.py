@@ -52,7 +52,7 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
-from echorl.broadcast.deadlines import Deadlines
+from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import (
     chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
 )
@@ -179,10 +179,11 @@ class Relay:
 
     def version_deadline(self, state: VersionState) -> float:
         """Seconds a version may take to arrive: ``version_timeout_s`` if set, else scaled with
-        its payload bytes and the plan depth (``Deadlines``)."""
+        its payload bytes times the plan's busiest upload, and the plan depth (``Deadlines``)."""
         if self.version_timeout_s is not None:
             return self.version_timeout_s
-        return self.deadlines.for_bytes(state.manifest.payload_bytes, hops=state.plan.depth)
+        nbytes = int(state.manifest.payload_bytes * upload_copies(state.plan))
+        return self.deadlines.for_bytes(nbytes, hops=state.plan.depth)
 
     async def _receive_stripe(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
         parent = state.parents.get(s)

@@ -8,9 +8,9 @@ import trio
 
 from echorl.broadcast import chunk_server
 from echorl.broadcast.broadcaster import Broadcaster
-from echorl.broadcast.deadlines import MB, BandwidthMeter, Deadlines, transfer_deadline
+from echorl.broadcast.deadlines import MB, BandwidthMeter, Deadlines, transfer_deadline, upload_copies
 from echorl.broadcast.relay import Relay
-from echorl.broadcast.store import VersionState, WeightStore
+from echorl.broadcast.store import VersionState, WeightStore, plan_of
 from echorl.net.host import open_host
 from echorl.protocol import snapshot, wire
 from echorl.protocol.identity import Identity
@@ -74,13 +74,16 @@ def test_relay_and_chunk_server_deadlines_grow_with_the_version():
     depth = s_state.plan.depth
     assert relay.version_deadline(s_state) == pytest.approx(depth + small.manifest.payload_bytes / MB)
     assert relay.version_deadline(b_state) == pytest.approx(b_state.plan.depth + big.manifest.payload_bytes / MB)
+    assert upload_copies(s_state.plan) == upload_copies(b_state.plan) == 1.0  # fanout 2 striped: ≤ 1 + 1/k
     relay.version_timeout_s = 7.0
     assert relay.version_deadline(b_state) == 7.0
 
     server = chunk_server.ChunkServer.__new__(chunk_server.ChunkServer)
     server.deadlines = d
     stripe_bytes = sum(b_state.manifest.chunks[i].size for i in b_state.stripe_indices(0))
-    assert server.stripe_deadline(b_state, 0) == pytest.approx(b_state.plan.depth + stripe_bytes / MB)
+    # a stripe's stream shares its parent's link with the other stripes: it may take the whole payload's time
+    share = b_state.n_stripes * upload_copies(b_state.plan)
+    assert server.stripe_deadline(b_state, 0) == pytest.approx(b_state.plan.depth + share * stripe_bytes / MB)
     assert server.stripe_deadline(b_state, 0) - b_state.plan.depth > 5 * (server.stripe_deadline(s_state, 0) - depth)
 
 
@@ -91,12 +94,15 @@ def test_broadcaster_waits_for_done_in_proportion_to_the_payload():
             bc = Broadcaster(lh, li, "r", done_timeout_s=2.0, announce_timeout_s=1.0,
                              deadlines=Deadlines(base_s=1.0, floor_bps=1 * MB, safety=2.0))
             ann, _ = _announce(10 * MB)
-            m = ann.manifest
-            assert bc.done_deadline(m, depth=3) == pytest.approx(3.0 + 2.0 * m.payload_bytes / MB)
-            assert bc.done_deadline(m, depth=3, timeout=1e6) == 1e6  # a caller's longer wait stands
+            m, plan = ann.manifest, plan_of(ann)
+            copies = upload_copies(plan)
+            assert bc.done_deadline(m, plan) == pytest.approx(plan.depth + 2.0 * copies * m.payload_bytes / MB)
+            assert bc.done_deadline(m, plan, timeout=1e6) == 1e6  # a caller's longer wait stands
             assert bc.announce_deadline(m, 10) >= 1.0 + 2.0 * snapshot.manifest_wire_bytes(m) / MB
             bc.deadlines.meter.add(m.payload_bytes, 0.1)  # fast swarm measured: shorter deadlines
-            assert bc.done_deadline(m, depth=3) < 3.5
+            assert bc.done_deadline(m, plan) < plan.depth + 0.5 * copies
+            star = plan_of(ann.model_copy(update={"shape": "star"}))  # the learner uploads 6 copies
+            assert upload_copies(star) == 6 and bc.done_deadline(m, star) > 5 * bc.done_deadline(m, plan) - 5 * plan.depth
 
     trio.run(main)
 
