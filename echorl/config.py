@@ -98,6 +98,9 @@ class PeerFields(Section):
     listen: str = "/ip4/127.0.0.1/tcp/0"
     """multiaddr to listen on"""
     upload_mbps: UploadMbps = 0.0
+    chunk_cache_mb: float = Field(64.0, ge=1.0, le=1024.0 * 1024)
+    """memory for weight chunks in transit (MiB); the weights themselves live in files, so this,
+    not the model's size, bounds what relaying a version costs in RAM"""
 
 
 # --- the command line ------------------------------------------------------------------------

@@ -168,7 +168,8 @@ async def _start_publishing(cfg: LearnerConfig, host: Any, identity: Any, traine
 
     bc = Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
                      full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
-                     done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness)
+                     done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness,
+                     cache_bytes=int(cfg.chunk_cache_mb * 2**20))
     if service.spot is not None:  # every version a rollout may still claim (t − b ≤ S) is rebuildable
         service.spot.snapshots = bc.version_bytes
     bc.install()
