@@ -59,14 +59,18 @@ class WarmupConfig:
     max_steps: int = 3000
 
 
-def build_char_tokenizer() -> Any:
+def build_char_tokenizer(vocab_size: int | None = None) -> Any:
     """A character-level ``PreTrainedTokenizerFast``: printable ASCII + newline, with
-    ``<pad>`` (0), ``</s>`` (1, EOS) and ``<unk>`` (2)."""
+    ``<pad>`` (0), ``</s>`` (1, EOS) and ``<unk>`` (2). ``vocab_size`` pads the vocabulary with
+    filler tokens ``<|tN|>`` so a random-weight model can have a realistic embedding size while
+    every id it samples still decodes."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    for i in range(len(vocab), vocab_size or 0):
+        vocab[f"<|t{i}|>"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -91,6 +95,30 @@ def make_model(tokenizer: Any, arch: TinyArch, seed: int) -> Any:
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg)
+
+
+#: a SmolLM2-135M-sized Qwen3 (hidden 576, 30 layers, 9/3 heads, FFN 1536; with a 49152 vocabulary
+#: ~134 M parameters): the "135M-class" model of the apply benchmark, the dtype measurement and
+#: the GPU check, built with random weights on the spot (nothing downloaded).
+QWEN3_135M = TinyArch(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      intermediate_size=1536, max_position_embeddings=2048)
+QWEN3_135M_VOCAB = 49152
+
+
+def build_random_model(out_dir: str | Path, arch: TinyArch = QWEN3_135M, vocab_size: int = QWEN3_135M_VOCAB,
+                       seed: int = 0) -> Path:
+    """A random-weight Qwen3 causal LM of ``arch`` with a padded character tokenizer, saved as an
+    HF directory (fp32 safetensors). Not cached: it takes seconds, and what is measured on it
+    (apply time, dtype disagreement) does not need trained weights."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    out = Path(out_dir)
+    tokenizer = build_char_tokenizer(vocab_size)
+    model = make_model(tokenizer, arch, seed).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def config_hash(arch: TinyArch, warmup: WarmupConfig | None, seed: int) -> str:

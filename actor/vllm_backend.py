@@ -1,43 +1,132 @@
-"""vLLM inference backend behind the :class:`~echorl.actor.backend.InferenceBackend` interface.
+"""vLLM inference engine behind the :class:`~echorl.actor.backend.InferenceBackend` interface.
 
-Chosen with ``echorl node --engine vllm`` (``node/daemon.py`` checks that vLLM is installed and a CUDA
-device is present first). UNTESTED: vLLM is not installed on the development machine (CPU only); this module is imported
-only when a user asks for it, and it fails with a clear message when vLLM is missing. What it
-relies on and what may differ across vLLM versions:
+Chosen with ``echorl node --engine vllm`` (``node/daemon.py`` checks first that vLLM is installed
+and that the device is ``cuda:0``). **UNTESTED against a real vLLM**: the development machine
+has no GPU and the official vLLM wheels are CUDA builds. Everything above vLLM's own API (the
+translation of sampling parameters, the extraction of log-probs, the checks and the transport of
+a weight update) is tested on the CPU with a stand-in ``vllm`` module (``tests/actor/fake_vllm.py``);
+``scripts/gpu-check.sh`` exercises the real engine where there is one.
 
-* ``SamplingParams(n=G, logprobs=0)`` returns the sampled token's log-prob per position. vLLM
-  computes it from the *processed* logits by default in recent versions (temperature applied),
-  which matches :class:`echorl.actor.types.SamplingParams` semantics only when
-  ``logprobs_mode="processed_logprobs"`` is available; the learner's truncated importance
-  weights absorb small differences, large ones show up as ``logp_abs_diff`` in the metrics.
-* In-place weight loading goes through ``model.load_weights(iterable of (name, tensor))`` on
-  the driver worker, reached with ``LLM.collective_rpc`` (vLLM >= 0.7) or the legacy
-  ``llm_engine.model_executor.driver_worker`` path. Tensor-parallel setups are not handled.
+Written for vLLM ``>=0.10.2,<0.13`` (the ``vllm`` extra pins that range); what it relies on:
+
+* ``LLM(..., logprobs_mode="processed_logprobs", worker_extension_cls=...)``. vLLM's processed
+  log-probs are taken after temperature *and* after top-k/top-p truncation, while echorl's
+  behaviour log-prob is ``log_softmax(logits / T)`` before top-p (``actor/types.py``). They agree
+  when ``top_p == 1`` (what the learner sends) or when sampling is greedy (vLLM then returns the
+  log-probs of the raw logits, as the torch backend does for T = 0); any other ``top_p`` is
+  refused here rather than reported wrong.
+* ``SamplingParams(n, temperature, top_p, max_tokens, stop, logprobs=0, seed)``: ``logprobs=0``
+  returns, per generated position, a dict holding the sampled token's ``Logprob``.
+* Prompts as ``{"prompt_token_ids": [...]}`` (the node tokenizes without special tokens, as the
+  learner does, so no BOS is added), ``CompletionOutput.token_ids`` ending with EOS when EOS
+  stopped it, ``text`` without the stop string.
+* In-place weight updates: the verified snapshot is written once as a safetensors file (on
+  ``/dev/shm`` where present) and ``LLM.collective_rpc("echorl_load_weights_file", args=(path,))``
+  makes every worker call its model's ``load_weights`` (``actor/vllm_worker.py``); then
+  ``reset_prefix_cache()`` so no KV computed with old weights is reused. The process is never
+  restarted. Names and shapes are checked here first against the model directory's own
+  checkpoint, so a wrong snapshot is refused before the engine is touched.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 from .types import Sample, SamplingParams
+from .vllm_worker import EXTENSION
+
+VLLM_RANGE = ">=0.10.2,<0.13"
+LOAD_METHOD = "echorl_load_weights_file"
+
+
+def sampling_kwargs(params: SamplingParams, n: int, seed: int | None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for ``n`` samples of one prompt."""
+    if params.top_p < 1.0 and params.temperature > 0:
+        raise ValueError(f"the vLLM engine cannot report pre-truncation log-probs with top_p={params.top_p}; "
+                         "echorl leases use top_p=1")
+    return {"n": int(n), "temperature": float(params.temperature), "top_p": float(params.top_p),
+            "max_tokens": int(params.max_new_tokens), "stop": list(params.stop) or None, "logprobs": 0,
+            "seed": seed}
+
+
+def to_sample(completion: Any) -> Sample:
+    """A vLLM ``CompletionOutput`` as a :class:`Sample`: the sampled token's log-prob at each step."""
+    ids = [int(t) for t in completion.token_ids]
+    steps = completion.logprobs
+    if steps is None or len(steps) != len(ids):
+        raise RuntimeError(f"vLLM returned {0 if steps is None else len(steps)} log-prob steps for {len(ids)} tokens")
+    lps = []
+    for tok, step in zip(ids, steps):
+        entry = step.get(tok) if step else None
+        if entry is None:
+            raise RuntimeError(f"vLLM returned no log-prob for sampled token {tok}")
+        lp = float(entry.logprob)
+        if math.isnan(lp):
+            raise RuntimeError(f"vLLM returned a NaN log-prob for token {tok}")
+        lps.append(min(lp, 0.0))
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a completion with {completion.finish_reason!r}")
+    return Sample(token_ids=ids, logprobs=lps, finish_reason=str(completion.finish_reason), text=str(completion.text))
+
+
+def row_seed(seed: int | None, row: int) -> int | None:
+    """A distinct seed per request (identical prompts in one batch must not draw the same sample)."""
+    return None if seed is None else (int(seed) * 1_000_003 + row) % (2**63)
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the model directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise FileNotFoundError(f"{model_dir}: no safetensors checkpoint (the vLLM engine needs one to check updates)")
+    return shapes
+
+
+def update_tensors(state_dict: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The tensors of an update, checked like ``TorchBackend.load_state_dict`` (strict names and
+    shapes). A tied ``lm_head.weight`` the checkpoint does not store is dropped (vLLM ties it)."""
+    import torch
+
+    extra = [k for k in state_dict if k not in expected and k != "lm_head.weight"]
+    missing = [k for k in expected if k not in state_dict]
+    if missing or extra:
+        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    out = {}
+    for name, shape in expected.items():
+        t = torch.as_tensor(state_dict[name])
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != {shape}")
+        out[name] = t.contiguous()
+    return out
 
 
 class VLLMBackend:
-    """Sampling with vLLM; same contract as :class:`echorl.actor.backend.TorchBackend`."""
+    """Sampling with vLLM; the same contract as :class:`echorl.actor.backend.TorchBackend`.
 
-    def __init__(self, path: str | Path, gpu_memory_utilization: float = 0.5, **engine_kwargs: Any) -> None:
-        try:
-            import vllm  # type: ignore[import-not-found]
-        except ImportError:
-            raise RuntimeError("the vLLM backend needs vLLM: pip install 'echorl[vllm]'") from None
-        self._vllm = vllm
-        kwargs = {"logprobs_mode": "processed_logprobs", **engine_kwargs}
-        try:
-            self.llm = vllm.LLM(model=str(path), gpu_memory_utilization=gpu_memory_utilization, **kwargs)
-        except TypeError:  # older vLLM without logprobs_mode
-            kwargs.pop("logprobs_mode", None)
-            self.llm = vllm.LLM(model=str(path), gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+    ``vllm_module`` replaces ``import vllm`` (tests inject a stand-in); ``engine_kwargs`` go to
+    ``vllm.LLM`` (``dtype``, ``seed``, ``max_model_len``, ...)."""
+
+    def __init__(self, path: str | Path, gpu_memory_utilization: float = 0.5, *, vllm_module: Any = None,
+                 **engine_kwargs: Any) -> None:
+        if vllm_module is None:
+            try:
+                import vllm as vllm_module  # type: ignore[import-not-found, no-redef]
+            except ImportError:
+                raise RuntimeError(f"the vLLM engine needs vLLM{VLLM_RANGE}: pip install 'echorl[vllm]'") from None
+        self._vllm = vllm_module
+        self.expected = checkpoint_shapes(path)
+        kwargs = {"logprobs_mode": "processed_logprobs", "worker_extension_cls": EXTENSION, **engine_kwargs}
+        self.llm = vllm_module.LLM(model=str(path), gpu_memory_utilization=gpu_memory_utilization, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self._version = 0
 
@@ -46,17 +135,19 @@ class VLLMBackend:
         return self._version
 
     def load_state_dict(self, state_dict: Mapping[str, Any], version: int) -> None:
-        items = list(state_dict.items())
+        """Update the running engine's weights in place (see the module docstring)."""
+        from safetensors.torch import save_file
 
-        def _load(worker: Any) -> None:  # runs inside the worker process
-            worker.model_runner.model.load_weights(items)
-
-        if hasattr(self.llm, "collective_rpc"):
-            self.llm.collective_rpc(_load)
-        else:
-            _load(self.llm.llm_engine.model_executor.driver_worker)
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()  # cached KV of old weights must not be reused
+        tensors = update_tensors(state_dict, self.expected)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        with tempfile.TemporaryDirectory(prefix="echorl-vllm-", dir=shm) as tmp:
+            path = os.path.join(tmp, "update.safetensors")
+            save_file(tensors, path)
+            self._version = -1  # until every worker confirms, the engine's weights are unknown
+            counts = self.llm.collective_rpc(LOAD_METHOD, args=(path,))
+        if not counts or any(int(c) != len(tensors) for c in counts):
+            raise RuntimeError(f"vLLM workers loaded {counts} tensors of {len(tensors)}")
+        self.llm.reset_prefix_cache()
         self._version = int(version)
 
     def encode(self, text: str) -> list[int]:
@@ -65,19 +156,23 @@ class VLLMBackend:
     def generate(
         self, prompts: list[str], group_size: int, params: SamplingParams, seed: int | None = None
     ) -> list[list[Sample]]:
-        sp = self._vllm.SamplingParams(
-            n=group_size, temperature=params.temperature, top_p=params.top_p,
-            max_tokens=params.max_new_tokens, stop=list(params.stop) or None, logprobs=0, seed=seed,
-        )
-        token_prompts = [{"prompt_token_ids": self.encode(p)} for p in prompts]
-        outputs = self.llm.generate(token_prompts, sp, use_tqdm=False)
-        result: list[list[Sample]] = []
-        for out in outputs:
-            group = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs or [])]
-                reason = "stop" if c.finish_reason == "stop" else "length"
-                group.append(Sample(token_ids=ids, logprobs=lps, finish_reason=reason, text=c.text))
-            result.append(group)
-        return result
+        """``group_size`` samples per prompt: one vLLM request with ``n = group_size`` each."""
+        return self._run([self.encode(p) for p in prompts], params, group_size, seed)
+
+    def sample_ids(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Sample]:
+        """One completion per row of token ids (the multi-turn path, ``actor/episodes.py``)."""
+        return [group[0] for group in self._run(prompt_ids, params, 1, seed)]
+
+    def _run(self, rows: list[list[int]], params: SamplingParams, n: int, seed: int | None) -> list[list[Sample]]:
+        if not rows:
+            return []
+        if any(not r for r in rows):
+            raise ValueError("empty prompt")
+        sps = [self._vllm.SamplingParams(**sampling_kwargs(params, n, row_seed(seed, i))) for i in range(len(rows))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(r)} for r in rows], sps, use_tqdm=False)
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"vLLM answered {len(outputs)} requests of {len(rows)}")
+        groups = [[to_sample(c) for c in out.outputs] for out in outputs]
+        if any(len(g) != n for g in groups):
+            raise RuntimeError(f"vLLM returned a group of other than {n} samples")
+        return groups

@@ -71,7 +71,7 @@ import trio
 from echorl.protocol import delta as delta_mod
 from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
-from echorl.protocol.identity import Identity
+from echorl.protocol.identity import Identity, short_id
 from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Message, PlanAnnounce, PlanMember
 from echorl.protocol.plan import BroadcastPlan
 from echorl.protocol.routes import ANNOUNCE, DONE
@@ -273,7 +273,7 @@ class Broadcaster:
                                         timeout=self.announce_deadline(manifest, len(members)))
                 announced.add(m.peer_id)
             except (PeerUnavailable, ProtocolError) as exc:
-                log.info("announce v%d to %s failed: %s", version, m.peer_id[:16], exc)
+                log.info("announce v%d to %s failed: %s", version, short_id(m.peer_id), exc)
 
         async with trio.open_nursery() as nursery:
             for m in members:

@@ -29,6 +29,7 @@ from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
 from echorl.net.host import Host, RequestContext
 from echorl.net.transport import Libp2pTransport, TcpStreamAdapter, UploadLimiter, ip_of, serve_raw
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.broadcast.chunk_server")
 
@@ -121,7 +122,7 @@ class ChunkServer:
             raise ProtocolError(ErrorCode.NOT_FOUND, "other run")
         state = await self.state_for(sub.version)
         if state is None or sub.stripe >= state.n_stripes or peer not in state.children[sub.stripe]:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"{peer[:16]} is not my child in stripe {sub.stripe}")
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"{short_id(peer)} is not my child in stripe {sub.stripe}")
         return state
 
     async def _on_stream(self, stream: Any, peer: str) -> None:

@@ -59,6 +59,7 @@ from echorl.broadcast.files import (
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.broadcast.relay")
 
@@ -191,7 +192,7 @@ class Relay:
             try:
                 await self._stream_from(parent, state, s)
             except (PeerUnavailable, Truncated, trio.TooSlowError, ProtocolError, *STREAM_ERRORS) as exc:
-                log.info("v%d stripe %d: parent %s failed: %s: %s", state.version, s, parent[:16],
+                log.info("v%d stripe %d: parent %s failed: %s: %s", state.version, s, short_id(parent),
                          type(exc).__name__, exc)
                 suspects.add(parent)
         if not state.stripe_complete(s):
@@ -210,7 +211,7 @@ class Relay:
                 self.direct_streams += 1
                 return source
             except (PeerUnavailable, RemoteError) as exc:
-                log.info("direct path to %s unavailable (%s): libp2p stream", parent[:16], exc)
+                log.info("direct path to %s unavailable (%s): libp2p stream", short_id(parent), exc)
         return await self.server.transport.subscribe(parent, sub)
 
     async def _stream_from(self, parent: str, state: VersionState, s: int) -> None:
@@ -389,7 +390,7 @@ class Relay:
                     src, CATCHUP, CatchUpRequest(run_id=self.run_id, have_version=self.version),
                     expect=CatchUp, timeout=self.deadlines.for_bytes(limits.MAX_FRAME_BYTES))
             except (PeerUnavailable, RemoteError) as exc:
-                log.info("catch-up from %s: %s", src[:16], exc)
+                log.info("catch-up from %s: %s", short_id(src), exc)
                 return False
             assert isinstance(reply, CatchUp)
             if not reply.manifests or reply.manifests[-1].version <= self.version:

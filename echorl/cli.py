@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("echorl.node.daemon", "run a volunteer node daemon that generates rollouts"),
     "status": ("echorl.status", "show peers, versions, throughput and staleness of a run"),
     "train-local": ("echorl.learner.local", "learner + actor workers in local processes, no network"),
+    "ledger": ("echorl.ledger_cli", "per-node accepted and rejected work: ask the learner or verify receipts offline"),
+    "plot": ("echorl.plot", "draw a PNG from one or more metrics files (needs the 'plot' extra)"),
     "keygen": ("echorl.keygen", "create (or show) a persistent Ed25519 peer key"),
     "import-gguf": ("echorl.actor.gguf_import", "turn a local GGUF model file into an HF model directory for --model"),
 }

@@ -101,6 +101,8 @@ class PeerFields(Section):
     chunk_cache_mb: float = Field(64.0, ge=1.0, le=1024.0 * 1024)
     """memory for weight chunks in transit (MiB); the weights themselves live in files, so this,
     not the model's size, bounds what relaying a version costs in RAM"""
+    metrics_port: str = Field("", pattern=r"^(\S{1,253}:)?\d{1,5}$|^$")
+    """serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (names in docs/metrics.md)"""
 
 
 # --- the command line ------------------------------------------------------------------------

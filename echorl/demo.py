@@ -193,7 +193,20 @@ def _summary(metrics: Path, rc: int | None, seconds: float, args: DemoConfig) ->
           f"required vs available rollouts/s {last['required_rollouts_per_s'] and round(last['required_rollouts_per_s'], 1)}"
           f" vs {round(last['available_rollouts_per_s'], 1)}; metrics in {metrics}", flush=True)
     print(f"broadcasts: {_broadcast_summary(steps)}", flush=True)
+    _plot(metrics)
     return 0 if rc == 0 and last["step"] >= args.steps else 1
+
+
+def _plot(metrics: Path) -> None:
+    """The run's figure next to its metrics file, when matplotlib (the ``plot`` extra) is here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("plot: skipped (pip install 'echorl[plot]' for a figure of the run)", flush=True)
+        return
+    from echorl.plot import load_rows, plot
+
+    print(f"plot: {plot({metrics.stem: load_rows(metrics)}, metrics.with_suffix('.png'))}", flush=True)
 
 
 def _broadcast_summary(rows: list[dict[str, Any]]) -> str:

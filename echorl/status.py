@@ -14,6 +14,8 @@ from typing import Any
 
 import trio
 
+from echorl.protocol.identity import short_id
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", required=True, help="multiaddr of any bootstrap peer of the run")
@@ -96,7 +98,10 @@ LEARNER_FIELDS = (
     ("required μ/s", "required_rollouts_per_s"), ("available μ/s", "available_rollouts_per_s"),
     ("leases", "leases_active"), ("expired", "leases_expired"), ("signatures ok", "signatures_verified"),
     ("invalid", "rollouts_rejected_invalid"), ("logprob lies", "rollouts_rejected_logprob"),
-    ("broadcast s", "broadcast_seconds"),
+    ("broadcast s", "broadcast_seconds"), ("receipts", "receipts_issued"), ("rejected", "submissions_rejected_total"),
+    ("cost", "cost_total"), ("cost learner", "cost_learner"), ("cost nodes", "cost_nodes"),
+    ("cost/step", "cost_per_step"), ("cost/1k rollouts", "cost_per_1k_rollouts"),
+    ("learner-only est.", "cost_rollouts_on_learner_estimate"),
 )
 
 
@@ -110,7 +115,7 @@ def render(status: dict[str, Any], clear: bool = False) -> None:
     if clear:
         console.clear()
     learner = status["learner"]
-    cells = [(name, _short(learner.get(key)) if key == "peer_id" else _fmt(learner.get(key)))
+    cells = [(name, short_id(learner.get("peer_id") or "") if key == "peer_id" else _fmt(learner.get(key), 3))
              for name, key in LEARNER_FIELDS if key in learner or key == "peer_id"]
     lt = Table(title=f"learner of run {status['run_id']}", box=box.SIMPLE, show_header=False)
     for _ in range(2):
@@ -121,16 +126,13 @@ def render(status: dict[str, Any], clear: bool = False) -> None:
         lt.add_row(*left, *right)
     console.print(lt)
     pt = Table(title=f"nodes ({len(status['peers'])} joined, {len(status['dht_nodes'])} in the DHT)", box=box.SIMPLE)
-    for col in ("peer", "device", "ver", "tok/s", "grp/s", "leases", "done", "seen", "$/h"):
-        pt.add_column(col, no_wrap=True, justify="left" if col in ("peer", "device") else "right")
+    for col in ("peer", "device", "ver", "grp/s", "acc", "rej", "top reject", "seen", "$/h", "cost"):
+        pt.add_column(col, no_wrap=True, justify="left" if col in ("peer", "device", "top reject") else "right")
     for p in status["peers"]:
         seen = f"{_fmt(p['last_seen_s'], 1)}s" if p.get("alive") else "dead"
-        pt.add_row(_short(p["peer_id"]), f"{p['engine']}/{p['device']}"[:14], _fmt(p["version"]),
-                   _fmt(p["tokens_per_s"], 0), _fmt(p.get("rollouts_per_s"), 1), _fmt(p["leases"]),
-                   _fmt(p["leases_done"]), seen, _fmt(p["price_per_hour"]))
+        pt.add_row(short_id(p["peer_id"]), f"{p['engine']}/{p['device']}"[:10], _fmt(p["version"]),
+                   _fmt(p.get("rollouts_per_s"), 1), _fmt(p.get("groups_accepted")),
+                   _fmt(p.get("submissions_rejected")), _fmt(p.get("top_rejection"))[:16], seen,
+                   _fmt(p["price_per_hour"]), _fmt(p.get("cost"), 4))
     console.print(pt)
 
-
-def _short(peer_id: Any) -> str:
-    """The tail of a peer ID: the head is the same ``12D3KooW`` for every Ed25519 peer."""
-    return "…" + str(peer_id or "")[-8:]

@@ -128,6 +128,10 @@ class LearnerConfig(TrainingFields, LeaseFields, PeerFields):
     """a spot check fails if the largest |Δ log-prob| exceeds this"""
     spot_check_ban_after: int = Field(3, ge=0, le=10**6)
     """mismatches before a peer is refused leases (0: never)"""
+    price_per_hour: float = Field(0.0, ge=0.0, le=1e6)
+    """the learner's own price per hour: cost so far, per step and per 1,000 rollouts (learner/ledger.py)"""
+    tensorboard: str = ""
+    """also log every metrics row to this TensorBoard directory (needs the 'track' extra)"""
 
 
 class TrainLocalConfig(TrainingFields):

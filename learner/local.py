@@ -253,8 +253,9 @@ class _Loop:
 
         a = self.args
         last_eval = None
+        plain = not a.quiet and not console.is_terminal  # a log file: plain lines, not a collapsed bar
         with Progress(TextColumn("[bold]train-local"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.description}"), console=console, disable=a.quiet) as bar:
+                      TextColumn("{task.description}"), console=console, disable=a.quiet or plain) as bar:
             job = bar.add_task("", total=a.steps, completed=self.trainer.version)
             while self.trainer.version < a.steps:
                 self.lease_more()
@@ -284,10 +285,11 @@ class _Loop:
                       "seconds": round(wall, 3), "loss": m["loss"], "clip_frac": m["clip_frac"],
                       "tis_frac": m["tis_frac"], "logp_abs_diff": m["logp_abs_diff"],
                       "train_seconds": m["train_seconds"], "published_version": self.published})
-                bar.update(job, completed=v, description=(
-                    f"reward {m['reward_mean']:.2f} eval {last_eval if last_eval is not None else float('nan'):.2f} "
-                    f"stale≤{max(staleness)} rejected {c['rollouts_rejected_stale']} "
-                    f"busy {self.busy_frac():.2f}"))
+                line = (f"reward {m['reward_mean']:.3f} eval {'-' if last_eval is None else f'{last_eval:.3f}'} "
+                        f"stale≤{max(staleness)} rejected {c['rollouts_rejected_stale']} busy {self.busy_frac():.3f}")
+                bar.update(job, completed=v, description=line)
+                if plain and (v % 10 == 0 or ev is not None or v == a.steps):
+                    print(f"train-local step {v}/{a.steps} {wall:.0f} s {line}", file=sys.stderr, flush=True)
 
     def busy_frac(self) -> float:
         if self.t_first is None:
@@ -314,8 +316,8 @@ class _Loop:
             ("eval_reward start → end", f"{first_eval:.3f} → {evals[-1]:.3f}" if evals else "n/a"),
             ("reward_mean first10 → last10", _first_last(steps)),
             ("rollouts accepted / rejected stale", f"{c['rollouts_accepted']} / {c['rollouts_rejected_stale']}"),
-            ("staleness max / mean", f"{c['staleness_max']} / {c['staleness_mean']:.2f}"),
-            ("learner busy fraction", f"{steps[-1]['learner_busy_frac']:.2f}" if steps else "n/a"),
+            ("staleness max / mean", f"{c['staleness_max']} / {c['staleness_mean']:.3f}"),
+            ("learner busy fraction", f"{steps[-1]['learner_busy_frac']:.3f}" if steps else "n/a"),
             ("seconds (s/step)", f"{seconds:.1f} ({seconds / max(1, len(steps)):.3f})"),
             ("actor generate seconds (sum)", f"{self.gen_s:.1f}"),
         ]

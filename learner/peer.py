@@ -8,7 +8,11 @@ deltas, a full snapshot every ``full_every`` publications) from a publication ta
 beside training; the broadcaster's one chunk store also serves catch-up and the nodes' direct
 fetch. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
 newest completed broadcast and the provisioning rule of DESIGN §7:
-required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
+required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i. The same row feeds ``/metrics``
+(``--metrics-port``, Prometheus) and TensorBoard (``--tensorboard DIR``): ``echorl/metrics_sinks.py``.
+Every accepted submission is answered with a signed receipt (``learner/ledger.py``, which also
+keeps per-node rejections by reason and the run's cost, learner ``--price-per-hour`` included).
+At the end the learner prints a one-paragraph summary (steps, eval, nodes, cost).
 
 A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed
 with the snapshot of the claimed version (``learner/spot_check.py``; the broadcaster's store keeps
@@ -36,6 +40,7 @@ import trio
 
 from echorl import config
 from echorl.learner.config import LearnerConfig
+from echorl.metrics_sinks import open_sinks, sink_flags_error
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -64,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         if cfg.resume and not cfg.checkpoint_dir:
             raise config.ConfigError("--resume needs --checkpoint-dir")
         _check_task_and_model(cfg)  # TaskError is a ValueError
+        if problem := sink_flags_error(cfg.metrics_port, cfg.tensorboard):
+            raise config.ConfigError(problem)
         device = cfg.pin_device()
     except ValueError as exc:
         config.fail("learner", exc)
@@ -89,11 +96,16 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     if cfg.resume:
         await _resume(cfg, trainer)
     trainer.open_metrics()
+    try:
+        trainer.sinks = open_sinks("learner", cfg.metrics_port, cfg.tensorboard)
+    except OSError as exc:
+        raise SystemExit(f"echorl learner: --metrics-port {cfg.metrics_port}: {exc}") from None
     policy = LeasePolicy.of(cfg, trainer.sampling_spec())
     service = LearnerService(identity, cfg.run_id, trainer.task, trainer.tokenizer, trainer.buffer, policy,
                              trainer.vocab_size)
     service.version = service.published = trainer.grpo.version
     service.required_fn = trainer.required_rollouts_per_s
+    service.ledger.price_per_hour = cfg.price_per_hour
     limiter = UploadLimiter.from_mbps(cfg.upload_mbps)
     if cfg.spot_check_fraction > 0:
         service.spot = await _spot_checker(cfg, trainer)
@@ -115,6 +127,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
                 if cfg.checkpoint_dir:
                     await trainer.checkpoint()
                 nursery.cancel_scope.cancel()
+        print(run_summary(trainer, service), flush=True)
     finally:
         trainer.close()
 
@@ -211,3 +224,21 @@ async def _stop_on_signal(trainer: Any, service: Any, scope: trio.CancelScope) -
             service.stopping = True
             service.accepted.set()
 
+
+def run_summary(trainer: Any, service: Any) -> str:
+    """The end-of-run paragraph (like the demo's): steps, eval, nodes, staleness, cost."""
+    from echorl.protocol.identity import short_id
+
+    row = {**trainer.last_row, **service.ledger.metrics(service.peers.values(), trainer.step, service.policy.group_size)}
+
+    def r(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    nodes = ", ".join(f"{short_id(p)} {a.groups_accepted} groups/{a.rejected_total} rejected"
+                      for p, a in sorted(service.ledger.accounts.items())) or "none"
+    return (f"summary: {trainer.step} steps in {r(row.get('elapsed_s'))} s; eval_reward {r(trainer.first_eval)} -> "
+            f"{r(trainer.last_eval)}; staleness_max {r(row.get('staleness_max'))} (S={trainer.cfg.staleness}); "
+            f"receipts {service.ledger.seq}; nodes: {nodes}; cost {r(row['cost_total'])} (learner "
+            f"{r(row['cost_learner'])}, nodes {r(row['cost_nodes'])}), per step {r(row['cost_per_step'])}, per 1k "
+            f"rollouts {r(row['cost_per_1k_rollouts'])}; same rollouts on the learner (estimate) "
+            f"{r(row['cost_rollouts_on_learner_estimate'])}")

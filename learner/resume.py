@@ -17,6 +17,8 @@ from typing import Any
 
 import trio
 
+from echorl.protocol.identity import short_id
+
 log = logging.getLogger(__name__)
 
 MAX_REMEMBERED_PEERS = 1024
@@ -79,7 +81,7 @@ async def redial(host: Any, peer_addrs: dict[str, list[str]], timeout_s: float =
                         reached.append(peer_id)
                         return
                 except Exception as exc:  # noqa: BLE001 - PeerUnavailable, or an address that does not parse
-                    log.debug("redial %s at %s: %s", peer_id[:16], addr, exc)
+                    log.debug("redial %s at %s: %s", short_id(peer_id), addr, exc)
 
     async with trio.open_nursery() as nursery:
         for peer_id, addrs in peer_addrs.items():

@@ -60,7 +60,9 @@ from echorl.protocol import routes
 from echorl.learner.activation import Activation, NodeOffer, choose_active, preemption_margin
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.learner.leases import LeaseBook, LeaseRecord
+from echorl.learner.ledger import Ledger
 from echorl.learner.spot_check import SpotChecker
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.learner")
 
@@ -168,11 +170,12 @@ class LearnerService:
         self.required_fn: Callable[[], float | None] = lambda: None
         self.losses: deque[tuple[float, str]] = deque()  # (monotonic time, peer id) of liveness expiries
         self._last_decision = 0.0
+        self.ledger = Ledger(identity, run_id)  # receipts, per-peer rejections by reason, cost
 
     # --- wiring -------------------------------------------------------------------------------
     def install(self, host: Host) -> None:
         self.host = host
-        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.on_lease, routes.SUBMIT: self.on_submit,
+        host.serve({routes.JOIN: self.on_join, routes.LEASE: self.on_lease, routes.SUBMIT: self.ledger.counting(self.on_submit),
                     routes.RETURN: self.on_return, routes.STATUS: self.on_status})
 
     def _peer(self, ctx: RequestContext) -> PeerRecord:
@@ -203,7 +206,7 @@ class LearnerService:
         self.peers[ctx.peer_id] = rec
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
-        log.info("joined: %s (%s, %.0f tok/s)", ctx.peer_id[:16], msg.capability.device, msg.capability.tokens_per_s)
+        log.info("joined: %s (%s, %.0f tok/s)", short_id(ctx.peer_id), msg.capability.device, msg.capability.tokens_per_s)
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
 
@@ -271,13 +274,14 @@ class LearnerService:
         except ReplayMismatch as exc:
             self.counters["rollouts_rejected_env"] += 1
             self._count_against(ctx.peer_id, rec, msg.nonce, "env_mismatch")
-            log.warning("replay refused an episode of %s: %s", ctx.peer_id[:16], exc)
+            log.warning("replay refused an episode of %s: %s", short_id(ctx.peer_id), exc)
             raise ProtocolError(ErrorCode.ENV_MISMATCH, f"episode differs from the learner's replay: {exc}"[:512]) from None
         # the spot check and the verifier ran in worker threads: the lease may have been settled
         # meanwhile (expired, returned, or a concurrent submission for it), so look again
         rec = self._open_lease(msg, ctx)
         self.book.settle(rec.lease_id, "result", msg.nonce)
-        accepted = sum(1 for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED)
+        kept = [g for g, r in zip(groups, rewards) if self.buffer.offer(g, self.version, r) == Verdict.ACCEPTED]
+        accepted = len(kept)
         self.counters["submissions_accepted"] += 1
         self.counters["groups_received"] += len(groups)
         peer.leases_done += 1
@@ -286,7 +290,8 @@ class LearnerService:
         peer.groups_generated += len(groups)
         peer.version = max(peer.version, b)
         self.accepted.set()
-        return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version)
+        receipt = await self.ledger.issue(ctx.peer_id, rec.lease_id, len(groups), kept, b, self.version)
+        return SubmitAccepted(lease_id=rec.lease_id, accepted=accepted, version=self.version, receipt=receipt)
 
     def _open_lease(self, msg: Submit, ctx: RequestContext) -> LeaseRecord:
         """The still-open lease this submission answers; refused (and counted) if the nonce was
@@ -304,7 +309,8 @@ class LearnerService:
         """Recompute the behaviour log-probs; on a mismatch refuse, flag (and maybe ban)."""
         assert self.spot is not None
         try:
-            res = await self.spot.check(groups, version)
+            cap = self.peers[peer_id].capability  # joined: the submit handler looked it up
+            res = await self.spot.check(groups, version, cap.engine, cap.dtype)
         except Exception:  # noqa: BLE001 - a failing check must not refuse an honest node
             log.exception("spot check of v%d failed to run; counted as skipped", version)
             self.counters["spot_checks_skipped"] += 1
@@ -320,7 +326,7 @@ class LearnerService:
         self.counters["rollouts_rejected_logprob"] += 1
         n = self._count_against(peer_id, rec, nonce, "logprob_mismatch")
         log.warning("spot check failed for %s at v%d: mean |Δ| %.4f, max |Δ| %.4f over %d tokens (mismatch %d)",
-                    peer_id[:16], version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
+                    short_id(peer_id), version, res.mean_abs_diff, res.max_abs_diff, res.tokens, n)
         raise ProtocolError(ErrorCode.LOGPROB_MISMATCH,
                             f"behaviour log-probs do not match version {version}: mean |Δ| {res.mean_abs_diff:.4f}, "
                             f"max |Δ| {res.max_abs_diff:.4f} over {res.tokens} tokens")
@@ -339,7 +345,7 @@ class LearnerService:
             self.counters["peers_banned"] += 1
             for gone in self.book.expire_peer(peer_id):
                 self.buffer.requeue(gone.prompts)
-            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", peer_id[:16], n)
+            log.warning("peer %s banned after %d mismatches (log-probs or episodes)", short_id(peer_id), n)
         return n
 
     def banned(self, peer_id: str) -> bool:
@@ -390,11 +396,9 @@ class LearnerService:
 
     async def on_status(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, StatusRequest)
-        return self.status(msg.cursor or 0, msg.limit or 0)
+        return self.status(msg.cursor or 0, min(msg.limit or limits.DEFAULT_STATUS_PAGE, limits.MAX_STATUS_PAGE))
 
-    def status(self, cursor: int = 0, limit: int = 0) -> Status:
-        """One page of the status: the learner's summary and peers ``cursor``…``cursor+limit``
-        in join order (``limit`` 0: the default page size)."""
+    def status(self, cursor: int = 0, limit: int = limits.DEFAULT_STATUS_PAGE) -> Status:
         now = time.monotonic()
         learner = {"peer_id": self.identity.peer_id, "version": self.version, "staleness_bound": self.policy.staleness,
                    "buffer": len(self.buffer), "leases_active": len(self.book.active),
@@ -404,10 +408,9 @@ class LearnerService:
                    "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
         learner.update({k: v for k, v in self.learner_summary.items() if isinstance(v, (int, float, str, bool)) or v is None})
         learner.update(self.activation_metrics())
-        limit = min(limit or limits.DEFAULT_STATUS_PAGE, limits.MAX_STATUS_PAGE)
-        known = list(self.peers.values())
+        learner.update(self.ledger.metrics(self.peers.values(), self.version, self.policy.group_size))
         peers = []
-        for p in known[cursor:cursor + limit]:
+        for p in list(self.peers.values())[cursor:cursor + limit]:
             c = p.capability
             peers.append({"peer_id": p.peer_id, "device": c.device, "engine": c.engine, "version": p.version,
                           "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
@@ -415,10 +418,9 @@ class LearnerService:
                           "groups_accepted": p.groups_accepted, "rollouts_per_s": round(p.rollouts_per_s, 3),
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
-                          "standby": self.is_standby(p.peer_id)})
-        more = cursor + limit < len(known)
-        return Status(run_id=self.run_id, learner=learner, peers=peers,
-                      next_cursor=cursor + limit if more else None, total_peers=len(known))
+                          "standby": self.is_standby(p.peer_id), **self.ledger.peer_fields(p.peer_id)})
+        return Status(run_id=self.run_id, learner=learner, peers=peers, total_peers=len(self.peers),
+                      next_cursor=cursor + limit if cursor + limit < len(self.peers) else None)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
         """The joined nodes a version is broadcast to: alive and heard from recently."""
@@ -493,7 +495,7 @@ class LearnerService:
             if self.policy.activation == "cost" and time.monotonic() - self._last_decision >= self.policy.activation_interval_s:
                 self.reactivate()
             for rec in self.book.expire_due(time.monotonic()):
-                log.info("lease %s of %s expired", rec.lease_id, rec.peer_id[:16])
+                log.info("lease %s of %s expired", rec.lease_id, short_id(rec.peer_id))
                 self.buffer.requeue(rec.prompts)
             now = time.monotonic()
             quiet = [pid for pid, p in self.peers.items()
@@ -514,5 +516,5 @@ class LearnerService:
             for rec in gone:
                 self.buffer.requeue(rec.prompts)
             self.peers[peer_id].alive = False
-            log.warning("peer %s unresponsive (%s): %d leases expired", peer_id[:16], exc, len(gone))
+            log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), exc, len(gone))
             self._lost(peer_id)

@@ -21,10 +21,10 @@ over all completion tokens of the submission (Δ = recomputed − submitted, bot
 as the node clamps). Defaults 0.02 / 0.5: an honest float32 CPU actor agrees with a full
 forward pass of the same weights to ~1e-5 (KV-cached, left-padded sampling vs one right-padded
 pass), while a shift of a few tenths per token, or log-probs from another version, fails.
-GPU actors sampling in bf16/fp16 (or vLLM with its own kernels) disagree with a float32
-recomputation by far more (mean |Δ| of order 1e-2, single tokens beyond 0.5 on near-flat
-distributions): give such runs looser values (e.g. mean 0.05–0.1, max 2–5), or run the
-learner's check in the same dtype, or set the fraction to 0.
+bf16/fp16 actors and vLLM disagree with a float32 recomputation by far more; their looser
+bounds come from a table keyed by the (engine, dtype) the node declares
+(``learner/tolerances.py``, docs/engines.md); the configured values are the float32 row and a
+floor for every other row.
 """
 
 from __future__ import annotations
@@ -105,19 +105,28 @@ class SpotChecker:
     def flag(self, peer_id: str) -> None:
         self.flagged.add(peer_id)
 
-    async def check(self, groups: list["RolloutGroup"], behaviour_version: int) -> SpotResult:
-        """Recompute and compare (in a worker thread); ``skipped`` if the snapshot is gone."""
-        return await trio.to_thread.run_sync(self.check_sync, groups, behaviour_version, limiter=self._limiter)
+    async def check(self, groups: list["RolloutGroup"], behaviour_version: int, engine: str = "torch",
+                    dtype: str | None = None) -> SpotResult:
+        """Recompute and compare (in a worker thread); ``skipped`` if the snapshot is gone.
+        ``engine``/``dtype``: what the node declared (its capability record), which picks the
+        tolerance (``learner/tolerances.py``)."""
+        return await trio.to_thread.run_sync(self.check_sync, groups, behaviour_version, engine, dtype,
+                                             limiter=self._limiter)
 
     # --- worker thread ------------------------------------------------------------------------
-    def check_sync(self, groups: list["RolloutGroup"], behaviour_version: int) -> SpotResult:
+    def check_sync(self, groups: list["RolloutGroup"], behaviour_version: int, engine: str = "torch",
+                   dtype: str | None = None) -> SpotResult:
+        from echorl.learner.tolerances import Tolerance, tolerance_for
+
         with self._thread_lock:
             t0 = time.perf_counter()
             if not self._load(behaviour_version):
                 return SpotResult(True, 0.0, 0.0, 0, skipped=True, seconds=time.perf_counter() - t0)
             max_d, sum_d, n = self._compare(groups)
             mean_d = sum_d / n if n else 0.0
-            ok = mean_d <= self.tolerance_mean and max_d <= self.tolerance_max
+            checker_dtype = str(next(self._backend.model.parameters()).dtype).removeprefix("torch.")
+            tol = tolerance_for(engine, dtype, Tolerance(self.tolerance_mean, self.tolerance_max), checker_dtype)
+            ok = mean_d <= tol.mean and max_d <= tol.max
             return SpotResult(ok, max_d, mean_d, n, seconds=time.perf_counter() - t0)
 
     def _load(self, version: int) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from echorl.protocol.identity import short_id
 from echorl.protocol.messages import SamplingSpec
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class Trainer:
     resume_extra: dict[str, Any] = field(default_factory=dict)
     service_state: Callable[[], dict[str, Any]] = dict  # the network service's part of a checkpoint
     stopping: bool = False  # set on SIGTERM: the loop ends at the next step boundary
+    sinks: list[Any] = field(default_factory=list)  # besides the JSONL: Prometheus, TensorBoard (echorl/metrics_sinks.py)
+    gen_samples_per_s: float = 0.0  # the learner's own generation rate, measured by evaluation
+    last_row: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kappa(self) -> int:
@@ -146,6 +150,8 @@ class Trainer:
     def close(self) -> None:
         if self.metrics_file is not None:
             self.metrics_file.close()
+        for sink in self.sinks:
+            sink.close()
 
     def evaluate(self) -> float:
         """Mean task reward of one sampled completion per held-out prompt (fixed seed)."""
@@ -155,11 +161,15 @@ class Trainer:
         spec = self.sampling_spec()
         params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p,
                                 max_new_tokens=spec.max_new_tokens, stop=list(spec.stop))
+        t0 = time.perf_counter()
         if getattr(self.task, "episodic", False):
             from echorl.actor.episodes import evaluate
 
-            return evaluate(self.backend, self.task, prompts, params, seed=1234)
+            score = evaluate(self.backend, self.task, prompts, params, seed=1234)
+            self.gen_samples_per_s = len(prompts) / max(1e-9, time.perf_counter() - t0)  # episodes/s
+            return score
         groups = self.backend.generate([p.text for p in prompts], 1, params, seed=1234)
+        self.gen_samples_per_s = len(prompts) / max(1e-9, time.perf_counter() - t0)
         return sum(self.task.reward(p, g[0].text) for p, g in zip(prompts, groups)) / max(1, len(prompts))
 
     async def _eval(self) -> float:
@@ -176,6 +186,7 @@ class Trainer:
             eval0 = await self._eval()
             self._write({"step": 0, "version": 0, "eval_reward": eval0, "elapsed_s": 0.0})
             log.info("step 0: eval_reward %.3f", eval0)
+            service.ledger.gen_samples_per_s = self.gen_samples_per_s
         self.started = time.monotonic()
         window = [time.monotonic(), 0]
         while (cfg.steps <= 0 or self.grpo.version < cfg.steps) and not self.stopping:
@@ -206,11 +217,14 @@ class Trainer:
         row = self._row(service, publisher, metrics, stale_max, window[1] / max(1e-9, time.monotonic() - window[0]))
         if self.step % max(1, cfg.eval_every) == 0 or self.step == cfg.steps:
             row["eval_reward"] = await self._eval()
+            service.ledger.gen_samples_per_s = self.gen_samples_per_s
         self._write(row)
         service.learner_summary = self._summary(service, row)
         if self.step % 10 == 0 or self.step == cfg.steps:
-            log.info("step %d: reward %.3f eval %s nodes %d stale_max %d bcast v%s", self.step, row["reward_mean"],
-                     row.get("eval_reward", "-"), row["nodes_active"], row["staleness_max"], row["broadcast_version"])
+            ev = row.get("eval_reward")
+            log.info("step %d: reward %.3f eval %s nodes %d stale_max %d bcast v%s cost %.4f", self.step,
+                     row["reward_mean"], "-" if ev is None else f"{ev:.3f}", row["nodes_active"], row["staleness_max"],
+                     row["broadcast_version"], row["cost_total"])
         if cfg.checkpoint_dir and cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
             await self.checkpoint()
         if time.monotonic() - window[0] > 20:
@@ -254,11 +268,23 @@ class Trainer:
             "required_rollouts_per_s": required, "available_rollouts_per_s": available,
             "busy_fraction": self.train_seconds_total / max(1e-9, elapsed),
             "prompts_trained_twice": self.prompts_trained_twice, "elapsed_s": elapsed,
-            "per_node_rollouts_per_s": {p.peer_id[:12]: round(p.rollouts_per_s, 3) for p in active},
-            "per_node_groups": {p.peer_id[:12]: p.groups_accepted for p in service.peers.values()},
-            "per_node_version": {p.peer_id[:12]: p.version for p in service.peers.values()},
-            **service.activation_metrics(),
+            "per_node_rollouts_per_s": {short_id(p.peer_id): round(p.rollouts_per_s, 3) for p in active},
+            "per_node_groups": {short_id(p.peer_id): p.groups_accepted for p in service.peers.values()},
+            "per_node_groups_generated": {short_id(p.peer_id): p.groups_generated for p in service.peers.values()},
+            "per_node_version": {short_id(p.peer_id): p.version for p in service.peers.values()},
+            **service.activation_metrics(), **self._ledger_row(service, last),
         }
+
+    def _ledger_row(self, service: "LearnerService", last: Any) -> dict[str, Any]:
+        """Cost and rejections (learner/ledger.py), and the labelled maps /metrics exports."""
+        led = service.ledger
+        out = led.metrics(service.peers.values(), self.step, service.policy.group_size)
+        out["cost_by_part"] = {"learner": out["cost_learner"], "nodes": out["cost_nodes"]}
+        out["submissions_rejected_by_reason"] = led.rejections_by_reason()
+        out["per_node_submissions_rejected"] = {short_id(p): a.rejected_total for p, a in led.accounts.items()}
+        if last is not None:
+            out["broadcast_seconds_by_kind"] = {last.kind: last.seconds}
+        return out
 
     def _summary(self, service: "LearnerService", row: dict[str, Any]) -> dict[str, Any]:
         keep = ("step", "reward_mean", "staleness_max", "busy_fraction", "t_train_s", "t_bcast_s",
@@ -270,6 +296,10 @@ class Trainer:
         return out
 
     def _write(self, row: dict[str, Any]) -> None:
+        """The one row goes to the JSONL file and to every sink."""
+        self.last_row = {**self.last_row, **row}
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(row) + "\n")
             self.metrics_file.flush()
+        for sink in self.sinks:
+            sink.write(row)

@@ -46,6 +46,7 @@ from echorl.net.framing import (
 )
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.routes import RATES
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.net.host")
 
@@ -211,7 +212,7 @@ class Host:
                     self._inbound.pop(peer, None)
         except Exception as exc:  # noqa: BLE001 - last line of defence
             self.stats.handler_failures += 1
-            log.exception("stream %s from %s failed: %s", route.protocol, peer[:16], exc)
+            log.exception("stream %s from %s failed: %s", route.protocol, short_id(peer), exc)
             await reset_quietly(stream)
 
     async def _serve_loop(self, route: Route, stream: Any, peer: str) -> None:
@@ -224,12 +225,12 @@ class Host:
                 await close_quietly(stream)
                 return
             except IdleTimeout:  # a pooled stream nobody used for idle_timeout_s: closed, not an error
-                log.debug("%s from %s: idle stream closed", route.protocol, peer[:16])
+                log.debug("%s from %s: idle stream closed", route.protocol, short_id(peer))
                 await close_quietly(stream)
                 return
             except (Truncated, trio.TooSlowError) as exc:
                 self.stats.truncated += 1
-                log.info("%s from %s: %s", route.protocol, peer[:16], type(exc).__name__)
+                log.info("%s from %s: %s", route.protocol, short_id(peer), type(exc).__name__)
                 await reset_quietly(stream)
                 return
             except ProtocolError as exc:  # oversized or bad header: the stream cannot be resynced
@@ -260,13 +261,13 @@ class Host:
                 reply = error_message(exc)
             except trio.TooSlowError:
                 self.stats.handler_failures += 1
-                log.warning("handler %s for %s missed its %.0f s deadline", route.protocol, peer[:16], route.timeout_s)
+                log.warning("handler %s for %s missed its %.0f s deadline", route.protocol, short_id(peer), route.timeout_s)
                 await self._reply(stream, Error(code=ErrorCode.INTERNAL.value, detail="handler deadline"))
                 await close_quietly(stream)
                 return
             except Exception as exc:  # noqa: BLE001 - a buggy handler must not kill the host
                 self.stats.handler_failures += 1
-                log.exception("handler %s failed for %s: %s", route.protocol, peer[:16], exc)
+                log.exception("handler %s failed for %s: %s", route.protocol, short_id(peer), exc)
                 await self._reply(stream, Error(code=ErrorCode.INTERNAL.value, detail=type(exc).__name__))
                 await close_quietly(stream)
                 return
@@ -317,13 +318,13 @@ class Host:
                         await reset_quietly(stream)
                         if reused and attempt == 0:
                             continue  # a pooled stream the server had closed: one fresh try
-                        raise PeerUnavailable(f"{protocol} to {peer_id[:16]}: {type(exc).__name__}: {exc}") from None
+                        raise PeerUnavailable(f"{protocol} to {short_id(peer_id)}: {type(exc).__name__}: {exc}") from None
                     except BaseException:
                         await reset_quietly(stream)
                         raise
                     break
         except trio.TooSlowError:
-            raise PeerUnavailable(f"{protocol} to {peer_id[:16]}: no reply within {deadline:.1f} s") from None
+            raise PeerUnavailable(f"{protocol} to {short_id(peer_id)}: no reply within {deadline:.1f} s") from None
         except ProtocolError as exc:  # oversized reply header
             raise RemoteError(exc.code, f"reply: {exc.detail}") from None
         try:
@@ -351,9 +352,9 @@ class Host:
             with trio.fail_after(self.config.connect_timeout_s + 5.0):
                 stream = await self.libp2p.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
         except trio.TooSlowError:
-            raise PeerUnavailable(f"open {protocol} to {peer_id[:16]}: timed out") from None
+            raise PeerUnavailable(f"open {protocol} to {short_id(peer_id)}: timed out") from None
         except Exception as exc:  # noqa: BLE001 - dial / negotiation errors of many kinds
-            raise PeerUnavailable(f"open {protocol} to {peer_id[:16]}: {type(exc).__name__}: {exc}") from None
+            raise PeerUnavailable(f"open {protocol} to {short_id(peer_id)}: {type(exc).__name__}: {exc}") from None
         return stream, False
 
     async def _give_back(self, peer_id: str, protocol: str, stream: Any) -> None:
@@ -378,9 +379,9 @@ class Host:
                 finally:
                     await close_quietly(stream)
         except trio.TooSlowError:
-            raise PeerUnavailable(f"ping {peer_id[:16]}: no answer within {timeout:.1f} s") from None
+            raise PeerUnavailable(f"ping {short_id(peer_id)}: no answer within {timeout:.1f} s") from None
         except Exception as exc:  # noqa: BLE001
-            raise PeerUnavailable(f"ping {peer_id[:16]}: {type(exc).__name__}: {exc}") from None
+            raise PeerUnavailable(f"ping {short_id(peer_id)}: {type(exc).__name__}: {exc}") from None
         return time.perf_counter() - start
 
 

@@ -25,6 +25,7 @@ from echorl.protocol.errors import ProtocolError
 from echorl.protocol.messages import JoinAccepted, LearnerRecord
 
 from echorl.net.host import Host, PeerUnavailable
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.net.membership")
 
@@ -115,9 +116,9 @@ async def find_learner(
             host.add_peer_addrs(expected, list(rec.addrs))
             await host.connect(rec.addrs[0] if "/p2p/" in rec.addrs[0] else f"{rec.addrs[0]}/p2p/{expected}")
         elif rec is not None and rec.learner_peer_id != expected:
-            log.warning("ignoring a learner record for %s: pinned learner is %s", rec.learner_peer_id[:16], expected[:16])
+            log.warning("ignoring a learner record for %s: pinned learner is %s", short_id(rec.learner_peer_id), short_id(expected))
     if expected != boot and not host.is_connected(expected):
-        raise PeerUnavailable(f"pinned learner {expected[:16]}… not found through {bootstrap}")
+        raise PeerUnavailable(f"pinned learner {short_id(expected)}… not found through {bootstrap}")
     return expected
 
 

@@ -31,6 +31,7 @@ from echorl.protocol.messages import Message
 
 from echorl.net.framing import STREAM_ERRORS, CleanEnd, Truncated, read_frame, reset_quietly
 from echorl.net.host import Host, PeerUnavailable
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.net.transport")
 
@@ -90,7 +91,7 @@ def serve_raw(host: Host, protocol: str, handler: Callable[[Any, str], Awaitable
             peer = str(stream.muxed_conn.peer_id)
             await handler(stream, peer)
         except Exception as exc:  # noqa: BLE001 - an escaping error would kill the host
-            log.info("%s stream from %s ended: %s: %s", protocol, peer[:16], type(exc).__name__, exc)
+            log.info("%s stream from %s ended: %s: %s", protocol, short_id(peer), type(exc).__name__, exc)
             await reset_quietly(stream)
 
     host.libp2p.set_stream_handler(TProtocol(protocol), _entry)
@@ -146,15 +147,15 @@ class Libp2pTransport:
             with trio.fail_after(self.host.config.connect_timeout_s + 5.0):
                 stream = await self.host.libp2p.new_stream(ID.from_base58(parent), [TProtocol(self.protocol)])
         except trio.TooSlowError:
-            raise PeerUnavailable(f"open chunk stream to {parent[:16]}: timed out") from None
+            raise PeerUnavailable(f"open chunk stream to {short_id(parent)}: timed out") from None
         except Exception as exc:  # noqa: BLE001
-            raise PeerUnavailable(f"open chunk stream to {parent[:16]}: {type(exc).__name__}: {exc}") from None
+            raise PeerUnavailable(f"open chunk stream to {short_id(parent)}: {type(exc).__name__}: {exc}") from None
         try:
             with trio.fail_after(self.io_timeout):
                 await stream.write(wire.frame(wire.encode(request)))
         except (trio.TooSlowError, *STREAM_ERRORS) as exc:
             await reset_quietly(stream)
-            raise PeerUnavailable(f"subscribe to {parent[:16]}: {type(exc).__name__}") from None
+            raise PeerUnavailable(f"subscribe to {short_id(parent)}: {type(exc).__name__}") from None
         return _Libp2pSource(stream, self.io_timeout)
 
     async def send(self, sink: Any, frame_body: bytes) -> None:

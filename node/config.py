@@ -25,6 +25,8 @@ class NodeConfig(ModelFields, PeerFields):
     """what this node asks per hour (capability record; used for cost-aware scheduling)"""
     max_prompts: int = Field(8, ge=1, le=limits.MAX_PROMPTS_PER_LEASE)
     """most prompts asked for per lease"""
+    receipts: str = ""
+    """file the learner's signed receipts are appended to (default: receipts.jsonl in the state dir)"""
     state_dir: str = ""
     """where the newest verified weights are kept, so a restart does not re-download them
     (default: state-<key name>-<run id> next to the --key file)"""

@@ -10,6 +10,10 @@ version to disk and exits 0.
 
 The newest verified version is kept in ``--state-dir`` (``node/state.py``); a restart with
 the same key starts from it, after verifying it against the pinned learner and the run.
+
+Each accepted submission comes back with the learner's signed receipt; the node verifies it and
+appends it to ``--receipts`` (``node/receipts.py``). ``--metrics-port`` serves the node's counters
+(``NodeState.row``) as Prometheus ``/metrics`` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import trio
 
 from echorl import config
 from echorl.node.config import NodeConfig
+from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.daemon")
 
@@ -47,6 +52,28 @@ class NodeState:
     allow_env: tuple[str, ...] = ()  # user environments (module:Class) this node agreed to run
     envs: dict[str, Any] = field(default_factory=dict)  # built environments by (spec, options)
     membership: Any = None  # Membership (our DHT server)
+    receipts: Any = None  # ReceiptLog
+    sinks: list[Any] = field(default_factory=list)
+    groups_generated: int = 0
+    tokens_generated: int = 0
+    generate_seconds: float = 0.0
+    groups_credited: int = 0
+    receipts_kept: int = 0
+    receipts_invalid: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # error code -> submissions refused
+
+    def row(self) -> dict[str, Any]:
+        """The node's metrics, computed here only (sinks just export them)."""
+        return {"version": self.weights.version if self.weights is not None else -1,
+                "leases_done": self.leases_done, "groups_generated": self.groups_generated,
+                "tokens_generated": self.tokens_generated, "generate_seconds": self.generate_seconds,
+                "groups_credited": self.groups_credited, "receipts": self.receipts_kept,
+                "receipts_invalid": self.receipts_invalid, "submissions_rejected_by_reason": dict(self.rejected)}
+
+    def publish(self) -> None:
+        row = self.row()
+        for sink in self.sinks:
+            sink.write(row)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +99,12 @@ def _check(cfg: NodeConfig) -> str:
     directory, a missing engine, CUDA asked for where there is none. Returns the device's name."""
     import importlib.util
 
+    from echorl.metrics_sinks import sink_flags_error
+
     cfg.check_model()
     cfg.key = os.path.expanduser(cfg.key)
+    if problem := sink_flags_error(cfg.metrics_port):
+        raise config.ConfigError(problem)
     if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise config.ConfigError("vllm is not installed: pip install 'echorl[vllm]' on a CUDA machine")
     device = cfg.pin_device()
@@ -95,7 +126,8 @@ def _capability(cfg: NodeConfig, tokens_per_s: float, addrs: list[str]) -> Any:
         device = "cpu"
         memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return Capability(engine=cfg.engine, device=device, memory_bytes=memory, tokens_per_s=float(tokens_per_s),
-                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16])
+                      price_per_hour=float(cfg.price_per_hour), reachable=True, listen_addrs=addrs[:16],
+                      dtype=cfg.dtype)
 
 
 def _load_backend(cfg: NodeConfig) -> tuple[Any, float]:
@@ -124,6 +156,8 @@ async def main(cfg: NodeConfig) -> None:
 
     from echorl.net.host import HostConfig, open_host
     from echorl.net.membership import Membership
+    from echorl.metrics_sinks import open_sinks
+    from echorl.node.receipts import ReceiptLog
     from echorl.node.state import SnapshotKeeper, default_state_dir
     from echorl.node.versions import NodeWeights
     from echorl.net.transport import UploadLimiter
@@ -131,8 +165,14 @@ async def main(cfg: NodeConfig) -> None:
     identity = load_or_create_identity(cfg.key)
     state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else default_state_dir(cfg.key, cfg.run_id)
     backend, tps = await trio.to_thread.run_sync(_load_backend, cfg)
-    log.info("node %s: %.0f tokens/s on %s (%s)", identity.peer_id[:16], tps, cfg.device, cfg.dtype)
-    state = NodeState(run_id=cfg.run_id, allow_env=tuple(cfg.allow_env))
+    log.info("node %s: %.0f tokens/s on %s (%s)", short_id(identity.peer_id), tps, cfg.device, cfg.dtype)
+    state = NodeState(run_id=cfg.run_id, allow_env=tuple(cfg.allow_env),
+                      receipts=ReceiptLog(Path(cfg.receipts).expanduser() if cfg.receipts else state_dir / "receipts.jsonl"))
+    try:
+        state.sinks = open_sinks("node", cfg.metrics_port)
+    except OSError as exc:
+        raise SystemExit(f"echorl node: --metrics-port {cfg.metrics_port}: {exc}") from None
+    log.info("receipts go to %s", state.receipts.path)
     async with open_host(identity, HostConfig(listen=cfg.listen)) as host:
         cap = _capability(cfg, tps, host.addrs)
         state.weights = NodeWeights(host, cfg.run_id, backend, UploadLimiter.from_mbps(cfg.upload_mbps),
@@ -150,8 +190,11 @@ async def main(cfg: NodeConfig) -> None:
             with trio.move_on_after(120):
                 await state.weights.flush()  # the newest version on disk before we go
             nursery.cancel_scope.cancel()
-    log.info("node stopped after %d leases (versions loaded: %s; started from on-disk v%d)",
-             state.leases_done, state.weights.loads, state.weights.started_from)
+    log.info("node stopped after %d leases (versions loaded: %s; started from on-disk v%d); %d receipts for %d "
+             "groups in %s", state.leases_done, state.weights.loads, state.weights.started_from, state.receipts_kept,
+             state.groups_credited, state.receipts.path)
+    for sink in state.sinks:
+        sink.close()
 
 
 async def _wait_signal(stop: trio.Event) -> None:
@@ -304,6 +347,7 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     from echorl.protocol import wire
     from echorl.protocol.messages import RolloutGroup, Sample, Submit, SubmitAccepted
 
+    from echorl.net.host import RemoteError
     from echorl.protocol import routes
 
     sp = lease.sampling
@@ -330,5 +374,35 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,
                     groups=wire_groups, generate_seconds=seconds, nonce=secrets.token_bytes(16))
     submit = await trio.to_thread.run_sync(wire.sign, submit, host.identity)
-    reply = await host.request(state.learner, routes.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
+    state.groups_generated += len(wire_groups)
+    state.tokens_generated += sum(len(s.token_ids) for g in wire_groups for s in g.samples)
+    state.generate_seconds += seconds
+    try:
+        reply = await host.request(state.learner, routes.SUBMIT, submit, expect=SubmitAccepted, timeout=60)
+    except RemoteError as exc:
+        state.rejected[exc.code.value] = state.rejected.get(exc.code.value, 0) + 1
+        state.publish()
+        raise
+    assert isinstance(reply, SubmitAccepted)
+    await _keep_receipt(host, state, lease.lease_id, reply)
+    state.publish()
     return reply
+
+
+async def _keep_receipt(host: Any, state: NodeState, lease_id: str, reply: Any) -> None:
+    """Verify the receipt against the pinned learner, this node, the run and the lease; append
+    it to the receipts file (both in a worker thread: a signature check and an fsync)."""
+    from echorl.node.receipts import check
+    from echorl.protocol.errors import ProtocolError
+
+    if reply.receipt is None:
+        return
+    try:
+        await trio.to_thread.run_sync(check, reply.receipt, state.learner, host.peer_id, state.run_id, lease_id)
+    except ProtocolError as exc:
+        state.receipts_invalid += 1
+        log.warning("receipt for lease %s refused: %s", lease_id, exc)
+        return
+    await trio.to_thread.run_sync(state.receipts.append, reply.receipt)
+    state.receipts_kept += 1
+    state.groups_credited += reply.receipt.groups

@@ -49,6 +49,15 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     return raw[len(prefix):]
 
 
+SHORT_ID_CHARS = 8
+
+
+def short_id(peer_id: str) -> str:
+    """The one short form of a peer ID used in logs, status, metrics and the ledger: its last 8
+    characters (the head is the same ``12D3KooW`` for every Ed25519 peer)."""
+    return str(peer_id)[-SHORT_ID_CHARS:]
+
+
 def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> bool:
     """True iff ``signature`` is a valid Ed25519 signature of ``message`` under ``public_key``."""
     if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
@@ -63,7 +72,7 @@ def verify_signature(public_key: bytes, message: bytes, signature: bytes) -> boo
 def verify_peer_signature(peer_id: str, message: bytes, signature: bytes) -> None:
     """Raise ``ProtocolError(BAD_SIGNATURE)`` unless ``peer_id``'s key signed ``message``."""
     if not verify_signature(public_key_from_peer_id(peer_id), message, signature):
-        raise ProtocolError(ErrorCode.BAD_SIGNATURE, f"signature does not verify for {peer_id[:16]}…")
+        raise ProtocolError(ErrorCode.BAD_SIGNATURE, f"signature does not verify for …{short_id(peer_id)}")
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,11 @@ class Message(WireModel):
 
 
 # --- membership --------------------------------------------------------------------------------
-class Capability(WireModel):
-    """What a node offers: the learner schedules and prices by it."""
+class Capability(OptionalFieldsModel):
+    """What a node offers: the learner schedules and prices by it (and sets the spot-check
+    tolerance by its engine and dtype)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("dtype",)
 
     engine: Name  # "torch", "vllm"
     device: Name  # "cpu", "cuda:0", "NVIDIA RTX 4090"
@@ -68,6 +71,7 @@ class Capability(WireModel):
     price_per_hour: NonNegFinite  # what the volunteer asks, in the run's currency unit
     reachable: bool  # can others dial it (interior of broadcast trees)?
     listen_addrs: Annotated[list[Text], Field(max_length=16)]
+    dtype: Name | None = None  # weights' dtype ("float32", "bfloat16", "float16"); None: float32
 
 
 class JoinRequest(Message):
@@ -201,11 +205,41 @@ class Submit(Message):
     signature: Signature = b"\0" * 64
 
 
+class Receipt(Message):
+    """The learner's signed proof that it accepted a node's work: one per accepted submission.
+
+    A node keeps its receipts (``node/receipts.py``) and anyone can check them offline against
+    the learner's peer ID (``echorl ledger --receipts``): a volunteer can show what it was
+    credited with, and a forged or altered receipt fails verification."""
+
+    SIGNED: ClassVar[bool] = True
+    type: Literal["receipt"] = "receipt"
+    run_id: RunId
+    learner_peer_id: PeerId  # the signer
+    peer_id: PeerId  # the node credited
+    lease_id: Name
+    seq: Count  # the learner's receipt counter: unique per learner key and run
+    groups_submitted: Annotated[int, Field(ge=0, le=limits.MAX_PROMPTS_PER_LEASE)]
+    groups: Annotated[int, Field(ge=0, le=limits.MAX_PROMPTS_PER_LEASE)]  # accepted into the buffer
+    tokens: Count  # completion tokens of the accepted groups
+    behaviour_version: Version
+    learner_version: Version  # the learner's version when it accepted
+    issued_at: Finite  # unix seconds
+    signature: Signature = b"\0" * 64
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Receipt":
+        if self.groups > self.groups_submitted:
+            raise ValueError("more groups accepted than submitted")
+        return self
+
+
 class SubmitAccepted(Message):
     type: Literal["submit_ok"] = "submit_ok"
     lease_id: Name
     accepted: Count  # rollout groups accepted into the buffer
     version: Version  # learner's current version
+    receipt: Receipt | None = None  # signed proof of the accepted work (absent from older learners)
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -395,7 +429,7 @@ class LearnerRecord(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
-        JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted,
+        JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted, Receipt,
         Manifest, ChunkRequest, Chunk, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
         LearnerRecord,

@@ -19,7 +19,7 @@ import pydantic
 
 from . import limits
 from .errors import ErrorCode, ProtocolError
-from .identity import Identity, verify_peer_signature
+from .identity import Identity, short_id, verify_peer_signature
 from .messages import MESSAGE_TYPES, Message
 
 FRAME_HEADER = struct.Struct(">I")
@@ -157,5 +157,5 @@ def verify(msg: Message, expected_signer: str | None = None) -> None:
         raise ProtocolError(ErrorCode.SCHEMA, f"{type(msg).__name__} carries no signature")
     signer = getattr(msg, _signer_field(msg))
     if expected_signer is not None and signer != expected_signer:
-        raise ProtocolError(ErrorCode.WRONG_SIGNER, f"message names {signer[:16]}…, expected {expected_signer[:16]}…")
+        raise ProtocolError(ErrorCode.WRONG_SIGNER, f"message names …{short_id(signer)}, expected …{short_id(expected_signer)}")
     verify_peer_signature(signer, canonical_bytes(msg), msg.signature)

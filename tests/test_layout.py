@@ -20,7 +20,7 @@ ALLOWED = {
     "learner": {"protocol", "net", "broadcast", "actor", "tasks", "echorl"},
     "node": {"protocol", "net", "broadcast", "actor", "tasks", "echorl"},
 }
-TOP_LEVEL_HELPERS = {"echorl.atomic", "echorl.config"}
+TOP_LEVEL_HELPERS = {"echorl.atomic", "echorl.config", "echorl.metrics_sinks"}
 MAX_LINES = 520
 
 

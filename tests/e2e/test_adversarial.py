@@ -8,6 +8,8 @@ import json
 import os
 import secrets
 import struct
+import subprocess
+import sys
 import time
 
 import trio
@@ -16,13 +18,14 @@ from libp2p.peer.id import ID
 from echorl.protocol import routes
 from echorl.net.framing import read_frame
 from echorl.net.host import open_host
+from echorl.node.receipts import check
 from echorl.protocol import wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
     Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest, SubmitAccepted,
 )
 
-from swarm import remote_code, signed_submit
+from swarm import ENV, remote_code, signed_submit
 
 
 # spot checks off: the one "genuine" submission here carries fabricated log-probs and must be
@@ -82,7 +85,10 @@ async def attack(addr: str) -> dict:
         out["other_signer"] = await remote_code(req(routes.SUBMIT, signed_submit(me, lease, 0, signer=other)))
         mid = (await status()).learner
         out["accepted_unchanged_by_refusals"] = mid["submissions_accepted"] == before["submissions_accepted"]
-        assert isinstance(await req(routes.SUBMIT, good, expect=SubmitAccepted), SubmitAccepted)
+        ok = await req(routes.SUBMIT, good, expect=SubmitAccepted)
+        assert isinstance(ok, SubmitAccepted) and ok.receipt is not None
+        check(ok.receipt, learner, me.peer_id, "echorl-demo", lease.lease_id)  # signed by the pinned learner
+        out["receipt_groups"] = ok.receipt.groups
         out["replay"] = await remote_code(req(routes.SUBMIT, good))
         out["replay_new_nonce"] = await remote_code(req(routes.SUBMIT, signed_submit(me, lease, 0)))
         # the learner trains a step on our 4 groups (S=0), then a version-0 result is stale
@@ -92,7 +98,9 @@ async def attack(addr: str) -> dict:
             await trio.sleep(0.05)
         lease2 = await _lease(host, learner, 1)
         out["stale"] = await remote_code(req(routes.SUBMIT, signed_submit(me, lease2, 0)))
-        after = (await status()).learner
+        final = await status()
+        after = final.learner
+        out["me"] = next(p for p in final.peers if p["peer_id"] == me.peer_id)
         out["accepted"] = (before["submissions_accepted"], after["submissions_accepted"])
         out["invalid"] = after["rollouts_rejected_invalid"] - before["rollouts_rejected_invalid"]
     return out
@@ -116,6 +124,14 @@ def test_foreign_peer_attacks_are_refused(swarm, tmp_path):
     assert out["stale"] == "stale_version"
     assert out["accepted"] == (0, 1)  # only the one genuine submission counted
     assert out["invalid"] == 3
+    me = out["me"]  # the ledger: every refusal counted against us by reason, the one acceptance credited
+    assert (me["rejected_bad_signature"], me["rejected_wrong_signer"], me["rejected_replay"]) == (2, 1, 2)
+    assert me["rejected_stale_version"] == 1 and me["submissions_rejected"] == 6
+    assert me["top_rejection"] == "bad_signature" and me["groups_accepted_total"] == out["receipt_groups"] == 4
+    table = subprocess.run([sys.executable, "-m", "echorl.cli", "status", "--bootstrap", addr],
+                           env={**ENV, "COLUMNS": "120"}, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "bad_signature" in table.stdout, table.stderr
+    print(table.stdout)
     assert swarm.learner.poll() is None  # still up
     st = trio.run(_alive, addr)
     assert st >= 1

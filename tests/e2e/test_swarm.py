@@ -41,6 +41,8 @@ def test_two_nodes_train_and_status_lists_everyone(swarm):
     assert last["step"] == 25 and last["staleness_max"] <= 1 and last["prompts_trained_twice"] == 0
     assert all(v > 0 for v in last["per_node_groups"].values()) and len(last["per_node_groups"]) == 2
     assert last["signatures_verified"] >= last["rollouts_accepted"] // 8
+    summary = next(line for line in swarm.learner_log.read_text().splitlines() if line.startswith("summary: "))
+    assert "summary: 25 steps" in summary and "cost " in summary and summary.count("groups/") == 2
     for n in nodes:  # SIGTERM: the daemons return their leases and exit cleanly
         n.send_signal(signal.SIGTERM)
     for n in nodes:

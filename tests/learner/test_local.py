@@ -45,9 +45,9 @@ def test_short_run_metrics_and_resume(tmp_path):
     model = build_default_model(tmp_path / "tiny", seed=0, warmup=None)
     metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
     common = ["--model", str(model), "--staleness", "2", "--actors", "2", "--prompts-per-step", "4",
-              "--group-size", "4", "--lease-prompts", "2", "--eval-every", "2", "--quiet", "--actor-delay", "0.05",
+              "--group-size", "4", "--lease-prompts", "2", "--eval-every", "2", "--actor-delay", "0.05",
               "--metrics-out", str(metrics), "--checkpoint-dir", str(ck), "--task-option", "n_eval=16"]
-    r = _cli("--steps", "3", "--device", "cpu", *common)
+    r = _cli("--steps", "3", "--device", "cpu", "--quiet", *common)
     assert r.returncode == 0, r.stderr
     assert "learner and actors on cpu, float32" in r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -56,9 +56,10 @@ def test_short_run_metrics_and_resume(tmp_path):
     assert rows[0]["eval_reward"] is not None and rows[-1]["eval_reward"] is not None
     assert rows[-1]["rollouts_accepted"] == 12
     assert all(0 <= row["staleness_max"] <= 2 for row in rows)
-    assert "summary" in r.stderr
-    r = _cli("--steps", "5", "--resume", *common)
+    assert "summary" in r.stderr and "train-local step" not in r.stderr
+    r = _cli("--steps", "5", "--resume", *common)  # not --quiet, stderr a pipe: plain progress lines
     assert r.returncode == 0, r.stderr
+    assert "train-local step 4/5" in r.stderr and "train-local step 5/5" in r.stderr and "\x1b[" not in r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4, 5]
     state = json.loads((ck / (ck / "LATEST").read_text() / "state.json").read_text())

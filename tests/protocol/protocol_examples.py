@@ -19,6 +19,9 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
                                chunks=[m.ChunkRef(digest=digest, size=4)],
                                tensors=[m.TensorEntry(name="w", dtype="F32", shape=[1], digest=digest)],
                                result_bytes=4, result_digest=digest, created_at=time.time()), learner)
+    receipt = sign(m.Receipt(run_id="run-1", learner_peer_id=learner.peer_id, peer_id=node.peer_id, lease_id="L-1",
+                             seq=7, groups_submitted=2, groups=1, tokens=6, behaviour_version=4, learner_version=5,
+                             issued_at=time.time()), learner)
     return [
         sign(m.JoinRequest(run_id="run-1", peer_id=node.peer_id, capability=cap, version=3,
                            timestamp=time.time(), nonce=b"n" * 16), node),
@@ -31,7 +34,8 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
         sign(m.Submit(run_id="run-1", lease_id="L-1", peer_id=node.peer_id, behaviour_version=4,
                       groups=[m.RolloutGroup(prompt_id="p1", samples=[sample, sample])],
                       generate_seconds=0.5, nonce=b"k" * 16), node),
-        m.SubmitAccepted(lease_id="L-1", accepted=1, version=5),
+        m.SubmitAccepted(lease_id="L-1", accepted=1, version=5, receipt=receipt),
+        receipt,
         manifest,
         m.ChunkRequest(digest=digest),
         m.Chunk(digest=digest, data=b"abcd"),

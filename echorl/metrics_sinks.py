@@ -1,0 +1,211 @@
+"""Where a metrics row goes besides the JSONL file: Prometheus ``/metrics`` and TensorBoard.
+
+One place computes a row (the learner's ``Trainer._row``, the node's ``NodeState.row``); these
+are sinks only: ``write(row)`` keeps or logs it, nothing is recomputed. The Prometheus exporter
+keeps the newest value of every documented key (a key missing from a row, like ``eval_reward``
+between evaluations, keeps its last value) and builds the metric families at scrape time in
+prometheus_client's own server thread (``start_http_server``), never on the trio loop. Names,
+types and labels are a contract, documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+# (row key, metric name, "gauge" | "counter", help). Counter names end in _total: the row holds
+# the cumulative value, exported as is.
+LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
+    ("step", "echorl_learner_step", "gauge", "optimizer steps done (= policy version trained)"),
+    ("published_version", "echorl_learner_published_version", "gauge", "newest version handed to the broadcast"),
+    ("reward_mean", "echorl_learner_reward_mean", "gauge", "mean task reward of the last training batch"),
+    ("eval_reward", "echorl_learner_eval_reward", "gauge", "mean reward on held-out prompts (last evaluation)"),
+    ("loss", "echorl_learner_loss", "gauge", "GRPO loss of the last step"),
+    ("busy_fraction", "echorl_learner_busy_fraction", "gauge", "training time / wall time"),
+    ("elapsed_s", "echorl_learner_elapsed_seconds", "gauge", "seconds since training started"),
+    ("rollouts_accepted", "echorl_rollouts_accepted_total", "counter", "rollout groups accepted into the buffer"),
+    ("rollouts_rejected_stale", "echorl_rollouts_rejected_stale_total", "counter",
+     "rollout groups refused for staleness (t - b > S)"),
+    ("rollouts_per_s", "echorl_rollouts_per_second", "gauge", "rollout groups trained per second (recent window)"),
+    ("staleness_max", "echorl_staleness_max", "gauge", "largest t - b of any accepted group"),
+    ("staleness_mean", "echorl_staleness_mean", "gauge", "mean t - b of accepted groups"),
+    ("nodes_active", "echorl_nodes_active", "gauge", "nodes alive and heard from in the last 30 s"),
+    ("nodes_standby", "echorl_nodes_standby", "gauge", "nodes parked by cost-aware activation"),
+    ("required_rollouts_per_s", "echorl_required_rollouts_per_second", "gauge", "provisioning rule's required throughput"),
+    ("available_rollouts_per_s", "echorl_available_rollouts_per_second", "gauge", "Σ measured node throughput"),
+    ("signatures_verified", "echorl_signatures_verified_total", "counter", "signed messages verified"),
+    ("leases_issued", "echorl_leases_issued_total", "counter", "leases issued"),
+    ("leases_expired", "echorl_leases_expired_total", "counter", "leases expired (prompts re-queued)"),
+    ("receipts_issued", "echorl_receipts_issued_total", "counter", "signed receipts returned to nodes"),
+    ("t_train_s", "echorl_train_step_seconds", "gauge", "EMA of one training step's seconds"),
+    ("t_bcast_s", "echorl_broadcast_seconds_ema", "gauge", "EMA of one broadcast's seconds"),
+    ("cost_per_step", "echorl_cost_per_step", "gauge", "cost so far / steps"),
+    ("cost_per_1k_rollouts", "echorl_cost_per_1k_rollouts", "gauge", "cost so far per 1,000 accepted rollout groups"),
+    ("cost_rollouts_on_learner_estimate", "echorl_cost_rollouts_on_learner_estimate", "gauge",
+     "ESTIMATE: cost of generating the accepted rollouts on the learner at its price and measured rate"),
+)
+# (row key holding {label value: number}, metric name, kind, label name, help)
+LEARNER_LABELLED: tuple[tuple[str, str, str, str, str], ...] = (
+    ("submissions_rejected_by_reason", "echorl_submissions_rejected_total", "counter", "reason",
+     "submissions refused, by error code"),
+    ("broadcast_seconds_by_kind", "echorl_broadcast_seconds", "gauge", "kind",
+     "seconds of the newest completed broadcast of each kind (full, delta)"),
+    ("cost_by_part", "echorl_cost_total", "counter", "part", "cost so far (price x time), learner vs nodes"),
+    ("per_node_groups", "echorl_node_groups_accepted_total", "counter", "peer", "rollout groups accepted per node"),
+    ("per_node_groups_generated", "echorl_node_groups_generated_total", "counter", "peer",
+     "rollout groups submitted per node"),
+    ("per_node_rollouts_per_s", "echorl_node_rollouts_per_second", "gauge", "peer", "measured throughput per node"),
+)
+NODE_SCALARS: tuple[tuple[str, str, str, str], ...] = (
+    ("version", "echorl_node_version", "gauge", "newest verified policy version held"),
+    ("leases_done", "echorl_node_leases_done_total", "counter", "leases answered"),
+    ("groups_generated", "echorl_node_groups_generated_total", "counter", "rollout groups generated and submitted"),
+    ("tokens_generated", "echorl_node_tokens_generated_total", "counter", "completion tokens generated"),
+    ("generate_seconds", "echorl_node_generate_seconds_total", "counter", "seconds spent generating"),
+    ("groups_credited", "echorl_node_groups_credited_total", "counter", "groups credited by verified receipts"),
+    ("receipts", "echorl_node_receipts_total", "counter", "verified receipts stored"),
+    ("receipts_invalid", "echorl_node_receipts_invalid_total", "counter", "receipts that failed verification"),
+)
+NODE_LABELLED: tuple[tuple[str, str, str, str, str], ...] = (
+    ("submissions_rejected_by_reason", "echorl_node_submissions_rejected_total", "counter", "reason",
+     "submissions the learner refused, by error code"),
+)
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+class RowCollector:
+    """A prometheus_client collector over the newest row (swapped whole: no lock on read)."""
+
+    def __init__(self, scalars: tuple, labelled: tuple) -> None:
+        self.scalars, self.labelled = scalars, labelled
+        self._state: dict[str, Any] = {}
+        self._lock = threading.Lock()  # writers only (the loop thread); readers see a whole dict
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self._lock:
+            state = dict(self._state)
+            for key, value in row.items():
+                if isinstance(value, dict) and isinstance(state.get(key), dict):
+                    state[key] = {**state[key], **value}
+                elif value is not None:
+                    state[key] = value
+            self._state = state
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        state = self._state
+        for key, name, kind, doc in self.scalars:
+            value = _number(state.get(key))
+            if value is None:
+                continue
+            if kind == "counter":
+                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+            else:
+                yield GaugeMetricFamily(name, doc, value=value)
+        for key, name, kind, label, doc in self.labelled:
+            values = state.get(key)
+            if not isinstance(values, dict):
+                continue
+            fam = (CounterMetricFamily(name.removesuffix("_total"), doc, labels=[label]) if kind == "counter"
+                   else GaugeMetricFamily(name, doc, labels=[label]))
+            for lv, v in sorted(values.items()):
+                if (num := _number(v)) is not None:
+                    fam.add_metric([str(lv)[:64]], num)
+            yield fam
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """``PORT`` (on 127.0.0.1) or ``HOST:PORT`` → (host, port); ValueError on anything else."""
+    host, _, port = spec.rpartition(":")
+    try:
+        n = int(port)
+    except ValueError:
+        raise ValueError(f"--metrics-port {spec!r}: expected PORT or HOST:PORT") from None
+    if not 0 <= n <= 65535:
+        raise ValueError(f"--metrics-port {spec!r}: port out of range")
+    return host or "127.0.0.1", n
+
+
+def sink_flags_error(metrics_port: str = "", tensorboard: str = "") -> str | None:
+    """What is wrong with a role's sink flags (checked before anything starts), or None."""
+    try:
+        if metrics_port:
+            parse_listen(metrics_port)
+    except ValueError as exc:
+        return str(exc)
+    return tensorboard_missing() if tensorboard else None
+
+
+class PrometheusSink:
+    """Serves ``/metrics`` from its own registry in a daemon thread (``start_http_server``)."""
+
+    def __init__(self, role: str, listen: str) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        scalars, labelled = (NODE_SCALARS, NODE_LABELLED) if role == "node" else (LEARNER_SCALARS, LEARNER_LABELLED)
+        self.collector = RowCollector(scalars, labelled)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+        addr, port = parse_listen(listen)
+        self.server, self.thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = self.server.server_port
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.collector.write(row)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class TensorBoardSink:
+    """Every numeric value of a row as a TensorBoard scalar at ``row["step"]``; a dict of numbers
+    becomes ``key/label`` scalars. The writer flushes from its own thread."""
+
+    def __init__(self, logdir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=logdir)
+        self.n = 0
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.n += 1
+        step = int(row.get("step", self.n))
+        for key, value in row.items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    if (num := _number(v)) is not None:
+                        self.writer.add_scalar(f"{key}/{sub}", num, step)
+            elif (num := _number(value)) is not None and key != "step":
+                self.writer.add_scalar(key, num, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def tensorboard_missing() -> str | None:
+    """None if TensorBoard logging works here, else the one-line hint to install the extra."""
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return "--tensorboard needs the 'track' extra: pip install 'echorl[track]'"
+    return None
+
+
+def open_sinks(role: str, metrics_port: str = "", tensorboard: str = "") -> list[Any]:
+    """The sinks a role's flags ask for (raises OSError if the port is taken)."""
+    sinks: list[Any] = []
+    if metrics_port:
+        sinks.append(PrometheusSink(role, metrics_port))
+    if tensorboard:
+        sinks.append(TensorBoardSink(tensorboard))
+    return sinks
