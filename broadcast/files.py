@@ -30,7 +30,7 @@ from echorl.protocol import snapshot
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import Manifest
 
-BLOCK = 8 * 1024 * 1024  # bytes read per step of a streaming pass
+BLOCK = 1024 * 1024  # bytes read per step of a streaming pass
 
 
 def read_at(path: Path, offset: int, n: int) -> bytes:
@@ -136,10 +136,11 @@ def verify_result_file(manifest: Manifest, path: Path) -> None:
     whole = hashlib.sha256()
     hashers = [hashlib.sha256() for _ in tensors]
     ti, offset = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK):
-            whole.update(block)
-            view, end = memoryview(block), offset + len(block)
+    buf = bytearray(BLOCK)  # one buffer, reused: no allocation per block
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            view, end = memoryview(buf)[:n], offset + n
+            whole.update(view)
             while ti < len(tensors) and tensors[ti].start < end:
                 t = tensors[ti]
                 hashers[ti].update(view[max(t.start, offset) - offset:min(t.end, end) - offset])

@@ -273,6 +273,11 @@ class Relay:
 
     # --- applying -------------------------------------------------------------------------------
     @property
+    def result_digest(self) -> bytes:
+        """SHA-256 of the newest verified version's file (what it was verified against)."""
+        return self._result_digest or b""
+
+    @property
     def result(self) -> bytes | None:
         """The newest verified version's bytes, read from its file (tests, small models; a
         large model is used through ``result_path``)."""

@@ -19,7 +19,6 @@ from pathlib import Path
 import trio
 
 from echorl.net.host import PeerUnavailable
-from echorl.broadcast.files import file_digest
 from echorl.broadcast.relay import Relay
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES
 from echorl.net.transport import UploadLimiter
@@ -38,11 +37,11 @@ async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> N
     learner_id = args.learner.rsplit("/p2p/", 1)[1]
     identity = Identity.generate()
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
-        async def on_version(version: int, path: Path) -> None:
-            t = time.time()
-            digest = await trio.to_thread.run_sync(file_digest, path)
-            _emit({"event": "version", "version": version, "digest": digest.hex(), "bytes": path.stat().st_size,
-                   "t": t, "rss_mb": rss_mb(), "cache_peak_mb": relay.server.store.cache.peak_bytes / 2**20})
+        def on_version(version: int, path: Path) -> None:
+            # the digest the file was verified against (streamed over it before this call)
+            _emit({"event": "version", "version": version, "digest": relay.result_digest.hex(),
+                   "bytes": path.stat().st_size, "t": time.time(), "rss_mb": rss_mb(),
+                   "cache_peak_mb": relay.server.store.cache.peak_bytes / 2**20})
 
         relay = relay_class(host, learner_id, args.run_id, on_version=on_version,
                             upload_limit=UploadLimiter.from_mbps(args.upload_mbps), stall_s=args.stall_s,
