@@ -70,3 +70,18 @@ def test_status_pages_of_100k_peers_each_fit_the_frame_cap():
     assert pages * page >= total
     last = Status(run_id="run", learner={}, peers=[_peer_entry(0)], total_peers=total)
     assert wire.decode(wire.encode(last), expect=Status).next_cursor is None
+
+
+def test_a_plan_announce_of_a_60_gb_model_and_4096_members_fits_the_frame_cap():
+    """The announce still carries the whole manifest and member list (not paged): at 60 GB and
+    the most members it allows, with two addresses each, it stays under the cap."""
+    from echorl.protocol.messages import PlanAnnounce, PlanMember
+
+    learner = Identity.generate()
+    member = Identity.generate().peer_id
+    addrs = [f"/ip4/203.0.113.{i}/tcp/40001/p2p/{member}" for i in range(2)]
+    ann = wire.sign(PlanAnnounce(
+        run_id="run", learner_peer_id=learner.peer_id, version=10, manifest=_manifest(learner, 10, 60 * GB, 1000),
+        shape="striped", fanout=4, seed=0, learner_addrs=addrs,
+        members=[PlanMember(peer_id=member, reachable=True, addrs=addrs)] * 4096, created_at=0.0), learner)
+    assert len(wire.encode(ann)) <= limits.MAX_FRAME_BYTES
