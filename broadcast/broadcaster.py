@@ -32,9 +32,10 @@ so consecutive versions use the same edges and reuse connections.
 Node: see ``broadcast/relay.py`` (``Relay(host, learner_peer_id, run_id, on_version=...)``,
 ``install()``, ``await run()`` in a nursery, ``await catch_up()``).
 
-The learner holds each published version once, in the store both ends use
-(``broadcast/store.py``): the chunks of the versions in flight and the held chain (newest full
-snapshot + deltas, and older runs while a version within ``retain`` of the newest needs them).
+The learner holds each published version once, on disk, in the store both ends use
+(``broadcast/store.py``: one payload file per version, ``store_dir``, a temporary directory by
+default, and a chunk cache of ``cache_bytes``): the versions in flight and the held chain (newest
+full snapshot + deltas, and older runs while a version within ``retain`` of the newest needs them).
 The same chunks serve the plan streams, recovery, catch-up and a node's direct fetch (a catch-up
 from the learner alone); ``version_bytes`` rebuilds any held version for the spot checker.
 
