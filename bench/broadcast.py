@@ -10,7 +10,13 @@ connections (``tree_seconds``: the steady state of a run, where every version re
 bytes (no torch needed). Prints one JSON line: peers, bytes, chunk_bytes, depth, tree_seconds,
 star_seconds, lower_bound_seconds (= W/B: one upload of the snapshot at the capped rate), and
 CPU figures (cpu_s_per_gb_relayed: CPU of all processes during the tree phase / bytes received
-by all peers).
+by all peers). Memory: ``max_peer_rss_mb`` (the largest VmRSS any relay process reached during
+the run, sampled from /proc/<pid>/status every 0.2 s) and ``learner_rss_mb`` (the same for this
+process, which also generates the test versions), with the chunk cache each peer had
+(``--chunk-cache-mb``); every peer's weights are files in a temporary directory (``--store-dir``).
+``load_avg`` is the 1-minute load when the run started and ended (the machine may be shared).
+
+    python bench/broadcast.py --peers 8 --size-mb 1024 --upload-mbps 400 --no-star --json
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +37,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo  # noqa: E402
+from echorl.broadcast.relay_process import rss_mb  # noqa: E402
 from echorl.net.host import HostConfig, open_host  # noqa: E402
 from echorl.net.transport import UploadLimiter  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
@@ -37,12 +46,26 @@ from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a scr
 CLK = os.sysconf("SC_CLK_TCK")
 
 
-def fake_safetensors(n_bytes: int, seed: int) -> bytes:
-    """A valid safetensors file with one U8 tensor of ``n_bytes`` random bytes."""
+def fake_safetensors(n_bytes: int, seed: int) -> bytearray:
+    """A valid safetensors file with one U8 tensor of ``n_bytes`` random bytes (built in place:
+    one copy of the version in memory)."""
     header = json.dumps({"w": {"dtype": "U8", "shape": [n_bytes], "data_offsets": [0, n_bytes]}}).encode()
     header += b" " * (-len(header) % 8)
-    body = np.random.default_rng(seed).integers(0, 256, n_bytes, dtype=np.uint8).tobytes()
-    return len(header).to_bytes(8, "little") + header + body
+    out = bytearray(8 + len(header) + n_bytes)
+    out[:8 + len(header)] = len(header).to_bytes(8, "little") + header
+    rng, step = np.random.default_rng(seed), 64 << 20
+    for at in range(8 + len(header), len(out), step):
+        n = min(step, len(out) - at)
+        out[at:at + n] = rng.bytes(n)
+    return out
+
+
+async def sample_rss(pids: list[int], peaks: dict[str, float]) -> None:
+    """Keep the largest VmRSS of the relay processes and of this process until cancelled."""
+    while True:
+        peaks["peers"] = max(peaks.get("peers", 0.0), *(rss_mb(p) for p in pids))
+        peaks["learner"] = max(peaks.get("learner", 0.0), rss_mb(os.getpid()))
+        await trio.sleep(0.2)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -80,18 +103,24 @@ async def run(args: argparse.Namespace) -> dict:
     chunk = int(args.chunk_kb * 1024)
     rate = args.upload_mbps * 1e6 / 8
     identity = Identity.generate()
-    out: dict = {}
+    out: dict = {"load_avg_start": round(os.getloadavg()[0], 2)}
+    cache = int(args.chunk_cache_mb * 2**20)
+    store = Path(tempfile.mkdtemp(prefix="echorl-bench-", dir=args.store_dir or None))
     async with open_host(identity, HostConfig()) as host:
         bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=chunk, full_every=1,
                          upload_limit=UploadLimiter.from_mbps(args.upload_mbps), shape=args.shape,
-                         done_timeout_s=args.timeout, direct=not args.no_direct)
+                         done_timeout_s=args.timeout, direct=not args.no_direct, store_dir=store / "learner",
+                         cache_bytes=cache)
         bc.install()
         nursery_cm = trio.open_nursery()
         nursery = await nursery_cm.__aenter__()
         await nursery.start(bc.run)
         t = time.perf_counter()
-        procs = spawn_peers(args.peers, host.addrs[0], args.upload_mbps, args.stall_s,
-                            ["--no-direct"] if args.no_direct else [])
+        procs = [spawn_peers(1, host.addrs[0], args.upload_mbps, args.stall_s,
+                             (["--no-direct"] if args.no_direct else [])
+                             + ["--store-dir", str(store / f"relay{i}"), "--chunk-cache-mb", str(args.chunk_cache_mb)])[0]
+                 for i in range(args.peers)]
+        peaks: dict[str, float] = {}
         try:
             readies = []
             for p in procs:
@@ -99,9 +128,10 @@ async def run(args: argparse.Namespace) -> dict:
             startup = time.perf_counter() - t
             nodes = [NodeInfo(r["peer_id"], True, tuple(r["addrs"])) for r in readies]
             pids = [p.pid for p in procs]
-            data = fake_safetensors(size, 1)
+            nursery.start_soon(sample_rss, pids, peaks)
             await trio.sleep(1.0)  # let start-up CPU settle
             cold = await bc.publish(1, fake_safetensors(size, 3), nodes)  # first version: dials every edge
+            data = fake_safetensors(size, 1)
             await trio.sleep(0.5)
             cpu0, own0 = cpu_seconds(pids), time.process_time()
             tree = await bc.publish(2, data, nodes)  # steady state: the same plan, connections reused
@@ -121,6 +151,7 @@ async def run(args: argparse.Namespace) -> dict:
                 build_seconds=round(tree.build_seconds, 3), startup_seconds=round(startup, 1),
                 node_seconds_max=round(max(tree.node_seconds.values(), default=0.0), 3),
             )
+            del data
             if not args.no_star:
                 star = await bc.publish(3, fake_safetensors(size, 2), nodes, shape="star")
                 out.update(star_seconds=round(star.seconds, 3), star_completed=len(star.completed),
@@ -140,6 +171,9 @@ async def run(args: argparse.Namespace) -> dict:
                     p.kill()
             nursery.cancel_scope.cancel()
             await nursery_cm.__aexit__(None, None, None)
+            shutil.rmtree(store, ignore_errors=True)
+    out.update(max_peer_rss_mb=round(peaks.get("peers", 0.0), 1), learner_rss_mb=round(peaks.get("learner", 0.0), 1),
+               chunk_cache_mb=args.chunk_cache_mb, load_avg_end=round(os.getloadavg()[0], 2))
     out["transport"] = "libp2p" if args.no_direct else "direct-tcp"
     return out
 
@@ -156,6 +190,8 @@ def main() -> None:
     ap.add_argument("--stall-s", type=float, default=30.0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p (Noise+yamux) only")
+    ap.add_argument("--chunk-cache-mb", type=float, default=64.0, help="each peer's chunk cache (weights on disk)")
+    ap.add_argument("--store-dir", default="", help="parent of the peers' weight files (default: the tmp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = trio.run(run, args)

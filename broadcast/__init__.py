@@ -8,9 +8,13 @@ Imports ``echorl.protocol`` (manifests, chunks, deltas, plans) and ``echorl.net`
 - ``relay.py``: ``Relay`` (node side: receives chunks from plan parents, verifies each against
   the signed manifest, forwards at once to plan children, rebuilds and applies the version,
   recovers from a stalled parent, catches up).
-- ``store.py``: the one store of weight chunks per peer: ``VersionState`` (a version's chunks as
-  they are verified, each held once as the frame body that is forwarded), ``HeldChain`` (verified
-  versions kept for catch-up, the direct fetch and, on the learner, spot checks), ``plan_of``.
+- ``store.py``: the one store of weight chunks per peer, on disk: ``WeightStore`` (the peer's
+  weight files and its bounded ``ChunkCache``), ``VersionState`` (a version's payload file,
+  written chunk by chunk as each is verified), ``HeldChain`` (verified versions kept for
+  catch-up, the direct fetch and, on the learner, spot checks), ``plan_of``.
+- ``files.py``: weight files read and written by offset, the chunk cache, streaming
+  verification and deltas applied tensor by tensor from files.
+- ``deadlines.py``: every weight-path deadline scaled with bytes and measured bandwidth.
 - ``chunk_server.py``: ``ChunkServer`` (chunk streams to children, catch-up and chunk answers,
   all from the store).
 - ``relay_process.py``: a bare relay as an OS process (benchmarks and tests).

@@ -11,7 +11,7 @@ Learner (one per run)::
     await nursery.start(bc.run)                    # the direct TCP chunk port (optional)
     report = await bc.publish(version, safetensors_bytes,
                               nodes=[NodeInfo(peer_id, reachable, addrs), ...],  # or (id, reachable, addrs) tuples
-                              timeout=None)        # default done_timeout_s
+                              timeout=None)        # floor of the scaled wait (done_deadline)
     # -> BroadcastReport(version, seconds, bytes, kind, ...): seconds = announce → last node
     #    verified; bytes = payload bytes (delta or full); kind = "full" | "delta"
     bc.version_bytes(version)                      # a held version's safetensors file (spot checks;
@@ -37,9 +37,10 @@ so consecutive versions use the same edges and reuse connections.
 Node: see ``broadcast/relay.py`` (``Relay(host, learner_peer_id, run_id, on_version=...)``,
 ``install()``, ``await run()`` in a nursery, ``await catch_up()``).
 
-The learner holds each published version once, in the store both ends use
-(``broadcast/store.py``): the chunks of the versions in flight and the held chain (newest full
-snapshot + deltas, and older runs while a version within ``retain`` of the newest needs them).
+The learner holds each published version once, on disk, in the store both ends use
+(``broadcast/store.py``: one payload file per version, ``store_dir``, a temporary directory by
+default, and a chunk cache of ``cache_bytes``): the versions in flight and the held chain (newest
+full snapshot + deltas, and older runs while a version within ``retain`` of the newest needs them).
 The same chunks serve the plan streams, recovery, catch-up and a node's direct fetch (a catch-up
 from the learner alone); ``version_bytes`` rebuilds any held version for the spot checker.
 
@@ -68,6 +69,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 import trio
@@ -76,11 +78,13 @@ from echorl.protocol import delta as delta_mod
 from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity, short_id
-from echorl.protocol.messages import BroadcastAck, BroadcastDone, Chunk, Manifest, Message, PlanAnnounce, PlanMember
+from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Message, PlanAnnounce, PlanMember
+from echorl.protocol.plan import BroadcastPlan
 from echorl.protocol.routes import ANNOUNCE, DONE
 
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
-from echorl.broadcast.store import VersionState
+from echorl.broadcast.deadlines import Deadlines, upload_copies
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.transport import UploadLimiter
 
@@ -117,10 +121,11 @@ class Broadcaster:
     def __init__(self, host: Host, identity: Identity, run_id: str, *, fanout: int = 4,
                  chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES, full_every: int = 10,
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
-                 announce_timeout_s: float = 10.0, done_timeout_s: float = 600.0, keep: int = 3,
+                 announce_timeout_s: float = 10.0, done_timeout_s: float = 0.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
-                 straggler_floor_s: float = 30.0, demote_for: int = 8) -> None:
+                 straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
+                 store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -133,10 +138,12 @@ class Broadcaster:
         self.liveness_every_s = liveness_every_s
         self.liveness_misses = liveness_misses
         self.seed = seed  # fixed: the same members give the same plan, so connections are reused
-        self.announce_timeout_s = announce_timeout_s
+        self.announce_timeout_s = announce_timeout_s  # floors: the deadlines scale up from them
         self.done_timeout_s = done_timeout_s
+        self.deadlines = deadlines or Deadlines()
         self.limiter = _as_limiter(upload_limit)
-        self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct)
+        self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct,
+                                  deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes))
         # (version, safetensors bytes) last published; the bytes only for a delta (a full
         # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
         self._prev: tuple[int, bytes | None] | None = None
@@ -170,6 +177,19 @@ class Broadcaster:
             task_status.started()
             await trio.sleep_forever()
         await self.server.serve_direct(_listen_ip(self.host), task_status=task_status)
+
+    def announce_deadline(self, manifest: Manifest, members: int) -> float:
+        """Seconds one announce may take: it carries the manifest and the member list."""
+        nbytes = snapshot.manifest_wire_bytes(manifest) + 1100 * members
+        return max(self.announce_timeout_s, self.deadlines.for_bytes(nbytes))
+
+    def done_deadline(self, manifest: Manifest, plan: BroadcastPlan, timeout: float | None = None) -> float:
+        """Seconds to wait for every node's ``BroadcastDone``: the version's payload through the
+        plan's busiest upload and depth (``Deadlines``), or longer if ``timeout`` (else
+        ``done_timeout_s``) says so."""
+        floor = self.done_timeout_s if timeout is None else timeout
+        nbytes = int(manifest.payload_bytes * upload_copies(plan))
+        return max(floor, self.deadlines.for_bytes(nbytes, hops=max(1, plan.depth)))
 
     async def _probe(self, pending: set[str], gone: set[str], failures: dict[str, int]) -> None:
         """Ping the nodes still pending; one that misses ``liveness_misses`` pings in a row is
@@ -215,11 +235,11 @@ class Broadcaster:
             log.info("v%d: %s never reported done; left out of the next %d plans", version, p[:16],
                      2 ** min(misses, 6))
 
-    async def _build(self, version: int, data: bytes) -> tuple[Manifest, list[bytes], list[bytes]]:
+    async def _build(self, version: int, data: bytes) -> tuple[Manifest, bytes]:
         prev = self._prev
         chunk_bytes = self.chunk_bytes
 
-        def build() -> tuple[Manifest, list[bytes], list[bytes]]:
+        def build() -> tuple[Manifest, bytes]:
             payload, kind, base = data, "full", -1
             base_bytes = None
             if prev is not None and self._since_full + 1 < self.full_every:
@@ -231,11 +251,10 @@ class Broadcaster:
                         payload, kind, base = d, "delta", prev[0]
                 except ValueError:  # layout changed: full snapshot
                     pass
-            manifest, chunks = snapshot.build_manifest(
+            manifest, _ = snapshot.build_manifest(
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
                 kind=kind, base_version=base, chunk_bytes=chunk_bytes)
-            bodies = [wire.encode(Chunk(digest=ref.digest, data=c)) for ref, c in zip(manifest.chunks, chunks)]
-            return manifest, chunks, bodies
+            return manifest, payload
 
         return await trio.to_thread.run_sync(build)
 
@@ -247,7 +266,7 @@ class Broadcaster:
             raise ValueError(f"version {version} is not newer than {self._prev[0]}")
         nodes = [n if isinstance(n, NodeInfo) else NodeInfo(n[0], bool(n[1]), tuple(n[2])) for n in nodes]
         t_build = time.perf_counter()
-        manifest, chunks, bodies = await self._build(version, safetensors_bytes)
+        manifest, payload = await self._build(version, safetensors_bytes)
         build_seconds = time.perf_counter() - t_build
         self._since_full = 0 if manifest.kind == "full" else self._since_full + 1
         self._prev = (version, safetensors_bytes if manifest.kind == "delta" else None)
@@ -265,12 +284,12 @@ class Broadcaster:
             run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version, manifest=manifest,
             shape=shape or self.shape, fanout=self.fanout, seed=self.seed if seed is None else seed,
             learner_addrs=self.host.addrs[:16], members=members, created_at=time.time()), self.identity)
-        state = VersionState(ann, self.host.peer_id)
-        for ref, c, body in zip(manifest.chunks, chunks, bodies):
-            state.put(ref.digest, c, body)  # the body is kept, its bytes are a view into it
-        del chunks, bodies
+        state = VersionState(ann, self.host.peer_id, self.server.store)
+        await state.fill(payload)  # the store's file: served from disk through the chunk cache
+        del payload
         self.server.add_state(state)
-        self.server.chain.hold(manifest, state.chunks())
+        self.server.chain.hold(manifest, state.path)
+        await self.server.collect()
         self._done[version] = {}
         self._plans[version] = state.plan
         while len(self._done) > 8:
@@ -283,7 +302,7 @@ class Broadcaster:
         async def announce(m: PlanMember) -> None:
             try:
                 await self.host.request(m.peer_id, ANNOUNCE, ann, expect=BroadcastAck,
-                                        timeout=self.announce_timeout_s)
+                                        timeout=self.announce_deadline(manifest, len(members)))
                 announced.add(m.peer_id)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("announce v%d to %s failed: %s", version, short_id(m.peer_id), exc)
@@ -294,7 +313,7 @@ class Broadcaster:
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
-        with trio.move_on_after(timeout or self.done_timeout_s) as whole:
+        with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
             while not (announced - gone).issubset(done):
                 if 2 * len(done) >= len(announced - gone) and whole.deadline > (
                         cut := trio.current_time() + max(self.straggler_floor_s,
@@ -309,6 +328,8 @@ class Broadcaster:
         self._note_silent(version, announced - gone - set(done), set(done))
 
         completed = sorted(p for p, d in done.items() if d.ok)
+        if completed and len(completed) == len(members):
+            self.deadlines.meter.add(manifest.payload_bytes, seconds)
         suspects = sorted({s for d in done.values() for s in d.suspects})
         missing = sorted(m.peer_id for m in members if m.peer_id not in completed)
         for s in suspects:

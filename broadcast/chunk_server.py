@@ -1,7 +1,8 @@
 """The serving side of the one weight path: ``ChunkServer`` streams a version's chunks to plan
 children (libp2p or the ticketed direct TCP path) and answers content-addressed ``ChunkRequest``
 and ``CatchUpRequest`` from the peer's one store (``broadcast/store.py``: the versions in flight
-and the held chain). The learner's ``Broadcaster`` and each node's ``Relay`` use it alike; a
+and the held chain, as files; frames come from the chunk cache or are read by offset in a worker
+thread). The learner's ``Broadcaster`` and each node's ``Relay`` use it alike; a
 node's direct fetch from the learner is a catch-up with the learner as the only source."""
 
 from __future__ import annotations
@@ -10,16 +11,21 @@ import logging
 import os as _os
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import trio
 
-from echorl.protocol import wire
+from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
-from echorl.protocol.messages import CatchUp, CatchUpRequest, Chunk, ChunkRequest, Message, StreamTicket, Subscribe
+from echorl.protocol.messages import (
+    CatchUp, CatchUpRequest, Chunk, ChunkRequest, Manifest, Message, StreamTicket, Subscribe,
+)
 from echorl.protocol.routes import CATCHUP, CHUNK, ROUTES, STREAM, TICKET
 
-from echorl.broadcast.store import ChunkBytes, HeldChain, VersionState, distinct_bytes
+from echorl.broadcast.deadlines import Deadlines, upload_copies
+from echorl.broadcast.files import read_at
+from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
 from echorl.net.host import Host, RequestContext
 from echorl.net.transport import Libp2pTransport, TcpStreamAdapter, UploadLimiter, ip_of, serve_raw
@@ -34,18 +40,20 @@ class ChunkServer:
     flight and the held chain (newest full snapshot + the deltas after it)."""
 
     def __init__(self, host: Host, run_id: str, limiter: UploadLimiter, *, keep: int = 3, retain: int = 0,
-                 announce_wait_s: float = 15.0, stream_timeout_s: float = 600.0, io_timeout_s: float = 120.0,
-                 direct: bool = True) -> None:
+                 announce_wait_s: float = 15.0, io_timeout_s: float = 120.0, direct: bool = True,
+                 deadlines: Deadlines | None = None, store: WeightStore | None = None) -> None:
         self.host = host
         self.run_id = run_id
         self.limiter = limiter
         self.keep = keep
         self.announce_wait_s = announce_wait_s
-        self.stream_timeout_s = stream_timeout_s
+        self.deadlines = deadlines or Deadlines()
         self.transport = Libp2pTransport(host, STREAM, limiter, io_timeout=io_timeout_s)
         self.states: OrderedDict[int, VersionState] = OrderedDict()
         self._state_events: dict[int, trio.Event] = {}
         self.chain = HeldChain(retain)  # verified versions kept for catch-up (and spot checks)
+        self.store = store or WeightStore()
+        self.pinned: set[Path] = set()  # files in use besides the states and the chain
         self.direct = direct
         self.direct_port: int | None = None  # set while serve_direct runs
         self._tickets: dict[bytes, tuple[str, int, int, float]] = {}  # ticket -> (peer, version, stripe, expiry)
@@ -69,19 +77,40 @@ class ChunkServer:
             await ev.wait()
         return self.states.get(version)
 
-    def find_chunk(self, d: bytes) -> ChunkBytes | None:
+    def locate(self, d: bytes) -> tuple[Path, int, int] | None:
+        """(file, offset, size) of a held chunk: a version in flight, else the chain."""
         for state in reversed(self.states.values()):
-            data = state.get_by_digest(d)
-            if data is not None:
-                return data
-        return self.chain.find_chunk(d)
+            i = state.index_of(d)
+            if i is not None:
+                return state.path, state.offset(i), state.manifest.chunks[i].size
+        return self.chain.locate(d)
+
+    async def find_chunk(self, d: bytes) -> bytes | None:
+        """A held chunk's bytes (read in a worker thread; not verified again), or None."""
+        where = self.locate(d)
+        if where is None:
+            return None
+        try:
+            data = await trio.to_thread.run_sync(read_at, *where)
+        except OSError:
+            return None
+        return data if len(data) == where[2] else None
+
+    def live_paths(self) -> set[Path]:
+        return {s.path for s in self.states.values()} | self.chain.paths() | self.pinned
+
+    async def collect(self) -> None:
+        """Remove the weight files no version in flight, held version or pin uses."""
+        await self.store.collect(self.live_paths())
 
     def held_bytes(self) -> int:
-        """Bytes of weight chunks this peer holds (versions in flight and the chain), each
-        buffer counted once."""
-        in_flight = (b for state in self.states.values() for b in state.bodies if b is not None)
-        chained = (c for _, chunks in self.chain.entries for c in chunks.values())
-        return distinct_bytes([*in_flight, *chained])
+        """Bytes of weight files this peer holds on disk (versions in flight, the chain and
+        pinned results), each file counted once."""
+        return self.store.disk_bytes(self.live_paths())
+
+    def memory_bytes(self) -> int:
+        """Bytes of chunk bodies held in memory (the cache): bounded by its ``max_bytes``."""
+        return self.store.cache.bytes
 
     # --- serving --------------------------------------------------------------------------------
     def install_serving(self) -> None:
@@ -150,13 +179,18 @@ class ChunkServer:
         finally:
             await trio.aclose_forcefully(tcp)
 
+    def stripe_deadline(self, state: VersionState, stripe: int) -> float:
+        """Seconds a stripe's stream may take: its bytes, at the share of the busiest uploader's
+        link one stripe gets, waited for through the plan's depth."""
+        nbytes = sum(state.manifest.chunks[i].size for i in state.stripe_indices(stripe))
+        return self.deadlines.for_bytes(int(nbytes * upload_copies(state.plan) * state.n_stripes),
+                                        hops=state.plan.depth)
+
     async def _serve_stripe(self, stream: Any, state: VersionState, stripe: int) -> None:
-        with trio.fail_after(self.stream_timeout_s):
+        with trio.fail_after(self.stripe_deadline(state, stripe)):
             for i in state.stripe_indices(stripe):
                 await state.wait_for(i)
-                body = state.bodies[i]
-                assert body is not None
-                await self.transport.send(stream, body)
+                await self.transport.send(stream, await state.body(i))
             with trio.move_on_after(5.0):
                 await stream.close()
 
@@ -170,11 +204,11 @@ class ChunkServer:
 
     async def _on_chunk(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, ChunkRequest)
-        data = self.find_chunk(msg.digest)
+        data = await self.find_chunk(msg.digest)
         if data is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "chunk not held")
         await self.limiter.acquire(len(data))
-        return Chunk(digest=msg.digest, data=bytes(data))
+        return Chunk(digest=msg.digest, data=data)
 
     async def _on_catch_up(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, CatchUpRequest)
@@ -184,7 +218,22 @@ class ChunkServer:
         versions = [m.version for m in run]
         if msg.have_version in versions:
             run = [m for m in run if m.version > msg.have_version]
-        return CatchUp(run_id=self.run_id, manifests=run[-256:])
+        page = catch_up_page(run)
+        return CatchUp(run_id=self.run_id, manifests=page, more=len(page) < len(run))
+
+
+def catch_up_page(run: list[Manifest]) -> list[Manifest]:
+    """The first manifests of ``run`` (oldest first) that fit one ``CatchUp`` page: the first
+    whatever its size, then more while the page stays within ``CATCHUP_PAGE_BYTES``."""
+    page: list[Manifest] = []
+    used = 0
+    for m in run[:256]:
+        size = snapshot.manifest_wire_bytes(m)
+        if page and used + size > limits.CATCHUP_PAGE_BYTES:
+            break
+        page.append(m)
+        used += size
+    return page
 
 
 def _listen_ip(host: Host) -> str:

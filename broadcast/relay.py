@@ -10,13 +10,16 @@ Contract (see also ``broadcast/broadcaster.py``)::
     nursery.start_soon(relay.run)                    # receive jobs + the direct TCP chunk port
     await relay.catch_up()                           # late joiner / missed versions: newest full
                                                      # snapshot + deltas from any holder
-    relay.version, relay.result                      # newest fully verified version and its bytes
+    relay.version, relay.result_path                 # newest fully verified version and its file
 
-``on_version`` runs on the trio loop after the version is verified and reported to the learner:
-a sync callback must be quick (hand heavy work such as ``load_state_dict`` to a thread); an
-async one is awaited (the next version's relaying continues meanwhile, in other tasks). The
-newest verified snapshot is kept in memory (``relay.result``, plus its chunks for serving);
-on-disk persistence is not done here (the daemon may write ``relay.result`` itself).
+``on_version(version, path)`` runs on the trio loop after the version is verified and reported
+to the learner, with the version's safetensors file: a sync callback must be quick (hand heavy
+work such as ``load_state_dict`` to a thread); an async one is awaited (the next version's
+relaying continues meanwhile, in other tasks). Weights live on disk (``store_dir``, a temporary
+directory by default): each version's payload is a file written chunk by chunk as each chunk is
+verified, a delta's result another file; memory holds the chunk cache (``cache_bytes``) and the
+largest changed tensor while a delta is applied, whatever the model's size. The file must not be
+modified; a caller that keeps it past the next version hard-links it (``SnapshotKeeper``).
 
 A version is used (``on_version``, ``relay.result``) only after the rebuilt safetensors file
 matched the signed manifest's result digest and every tensor digest. A parent that sends a bad
@@ -31,13 +34,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+from pathlib import Path
 import time
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from echorl.protocol import snapshot, wire
+from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import (
     BroadcastAck, BroadcastDone, CatchUp, CatchUpRequest, Chunk, ChunkRequest, Manifest, Message,
@@ -47,14 +52,18 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
-from echorl.broadcast.store import VersionState, payload_chunks, rebuild_version
+from echorl.broadcast.deadlines import Deadlines, upload_copies
+from echorl.broadcast.files import (
+    chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
+)
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.transport import STREAM_ERRORS, Truncated, UploadLimiter, open_direct
 from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.broadcast.relay")
 
-VersionCallback = Callable[[int, bytes], Any]
+VersionCallback = Callable[[int, Path], Any]
 INLINE_HASH_BYTES = 512 * 1024  # chunks up to this size are hashed on the loop (< 0.5 ms)
 
 
@@ -62,19 +71,24 @@ class Relay:
     def __init__(self, host: Host, learner_peer_id: str, run_id: str, *,
                  on_version: VersionCallback | None = None,
                  upload_limit: UploadLimiter | float | None = None, stall_s: float = 10.0,
-                 version_timeout_s: float = 600.0, keep: int = 3, direct: bool = True) -> None:
+                 version_timeout_s: float | None = None, keep: int = 3, direct: bool = True,
+                 deadlines: Deadlines | None = None, store_dir: Path | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.host = host
         self.learner = learner_peer_id
         self.run_id = run_id
         self.on_version = on_version
         self.stall_s = stall_s
-        self.version_timeout_s = version_timeout_s
+        self.version_timeout_s = version_timeout_s  # None: scaled with the version's bytes
+        self.deadlines = deadlines or Deadlines()
         limiter = upload_limit if isinstance(upload_limit, UploadLimiter) else UploadLimiter(upload_limit)
-        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct)
+        self.server = ChunkServer(host, run_id, limiter, keep=keep, direct=direct, deadlines=self.deadlines,
+                                  store=WeightStore(store_dir, cache_bytes))
         self.direct = direct
         self.direct_streams = 0
         self.version = -1
-        self.result: bytes | None = None
+        self.result_path: Path | None = None  # the newest verified version's safetensors file
+        self._result_digest: bytes | None = None
         self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[PlanAnnounce](16)
         self._apply_lock = trio.Lock()
@@ -107,7 +121,7 @@ class Relay:
         await trio.to_thread.run_sync(check)
         # also versions we already hold (e.g. caught up): our plan children still need the chunks
         if msg.version not in self.server.states:
-            state = VersionState(msg, self.host.peer_id)
+            state = VersionState(msg, self.host.peer_id, self.server.store)
             if self.host.peer_id not in state.plan.peers:
                 raise ProtocolError(ErrorCode.NOT_FOUND, "not a member of this plan")
             for m in msg.members:
@@ -139,16 +153,18 @@ class Relay:
         suspects: set[str] = set()
         recovered = [0]
         ok, detail = False, ""
-        with trio.move_on_after(self.version_timeout_s):
+        with trio.move_on_after(self.version_deadline(state)):
             async with trio.open_nursery() as nursery:
                 for s in range(state.n_stripes):
                     nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
         new = False
         if state.complete:
-            ok, detail, new = await self._apply(state.manifest, state.payload(), state.chunks())
+            ok, detail, new = await self._apply(state.manifest, state.path)
         else:
-            detail = f"{sum(d is None for d in state.data)} chunks missing at deadline"
+            detail = f"{state.missing()} chunks missing at deadline"
         seconds = time.perf_counter() - t0
+        if ok and not recovered[0]:
+            self.deadlines.meter.add(state.manifest.payload_bytes, seconds)
         state.done.set()
         done = BroadcastDone(run_id=self.run_id, version=ann.version, ok=ok, seconds=seconds,
                              recovered_chunks=recovered[0], suspects=sorted(suspects)[:64], detail=detail[:1000])
@@ -161,6 +177,14 @@ class Relay:
                 await trio.sleep(0.5)
         if new:  # also when a catch-up moved us forward but short of this version
             await self._deliver()
+
+    def version_deadline(self, state: VersionState) -> float:
+        """Seconds a version may take to arrive: ``version_timeout_s`` if set, else scaled with
+        its payload bytes times the plan's busiest upload, and the plan depth (``Deadlines``)."""
+        if self.version_timeout_s is not None:
+            return self.version_timeout_s
+        nbytes = int(state.manifest.payload_bytes * upload_copies(state.plan))
+        return self.deadlines.for_bytes(nbytes, hops=state.plan.depth)
 
     async def _receive_stripe(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
         parent = state.parents.get(s)
@@ -200,7 +224,7 @@ class Relay:
                     state.verify(msg.digest, msg.data)  # ~0.1 ms: cheaper than a thread hop
                 else:
                     await trio.to_thread.run_sync(state.verify, msg.digest, msg.data)
-                state.put(msg.digest, msg.data, body)
+                await state.put(msg.digest, msg.data, body)
                 if state.stripe_complete(s):
                     return
             if not state.stripe_complete(s):
@@ -228,7 +252,8 @@ class Relay:
                             continue
                         try:
                             reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
-                                                            timeout=max(10.0, self.stall_s * 2))
+                                                            timeout=max(self.stall_s * 2, self.deadlines.for_bytes(
+                                                                state.manifest.chunk_bytes)))
                         except (PeerUnavailable, RemoteError):
                             continue
                         assert isinstance(reply, Chunk)
@@ -237,7 +262,7 @@ class Relay:
                         except ProtocolError:
                             suspects.add(src)
                             continue
-                        if state.put(d, reply.data):
+                        if await state.put(d, reply.data):
                             recovered[0] += 1
                         return
                     await trio.sleep(min(2.0, 0.2 * (attempt + 1)))
@@ -247,10 +272,20 @@ class Relay:
                 nursery.start_soon(fetch, i)
 
     # --- applying -------------------------------------------------------------------------------
-    async def _apply(self, manifest: Manifest, payload: bytes,
-                     chunks: dict[bytes, memoryview]) -> tuple[bool, str, bool]:
-        """Verify and apply a complete payload: (ok = we hold ``manifest.version`` or newer,
-        detail, new = ``self.version`` changed)."""
+    @property
+    def result_digest(self) -> bytes:
+        """SHA-256 of the newest verified version's file (what it was verified against)."""
+        return self._result_digest or b""
+
+    @property
+    def result(self) -> bytes | None:
+        """The newest verified version's bytes, read from its file (tests, small models; a
+        large model is used through ``result_path``)."""
+        return None if self.result_path is None else self.result_path.read_bytes()
+
+    async def _apply(self, manifest: Manifest, payload: Path) -> tuple[bool, str, bool]:
+        """Verify and apply a complete payload file: (ok = we hold ``manifest.version`` or
+        newer, detail, new = ``self.version`` changed)."""
         async with self._apply_lock:
             if manifest.version <= self.version:
                 return True, "already held", False
@@ -258,56 +293,81 @@ class Relay:
             if manifest.kind == "delta" and manifest.base_version != self.version:
                 # not at the base: relay the chunks (done) but catch up for ourselves; a holder
                 # may be one version behind this one, so apply the delta if we reached its base
-                await self._catch_up(None, 120.0)
+                await self._catch_up(None, None)
                 if self.version >= manifest.version or manifest.base_version != self.version:
                     return self.version >= manifest.version, "caught up (not at delta base)", self.version != before
-            base = self.result
-
             try:
-                result = await trio.to_thread.run_sync(rebuild_version, manifest, payload, base)
+                await self._take(manifest, payload)
             except ProtocolError as exc:
                 return False, f"verification failed: {exc}", self.version != before
-            self.version, self.result = manifest.version, result
-            self.server.chain.hold(manifest, chunks)
             return True, "", True
 
+    async def _take(self, manifest: Manifest, payload: Path) -> None:
+        """Rebuild and verify ``manifest``'s version from its payload file (streaming over the
+        files, in a worker thread) and make it ours. Raises ``ProtocolError``."""
+        out = self.server.store.new_path(manifest.version, "safetensors")
+        base, base_digest = self.result_path, self._result_digest
+        result = await trio.to_thread.run_sync(
+            lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest))
+        self._set_result(manifest.version, result, manifest.result_digest)
+        self.server.chain.hold(manifest, payload)
+        await self.server.collect()
+
+    def _set_result(self, version: int, path: Path | None, digest: bytes | None) -> None:
+        self.version, self.result_path, self._result_digest = version, path, digest
+        self.server.pinned = set() if path is None else {path}
+
     async def _deliver(self) -> None:
-        if self.on_version is None or self.result is None:
+        if self.on_version is None or self.result_path is None:
             return
-        out = self.on_version(self.version, self.result)
+        out = self.on_version(self.version, self.result_path)
         if inspect.isawaitable(out):
             await out
 
-    async def adopt(self, version: int, result: bytes, manifest: Manifest | None = None) -> bool:
-        """Take a version obtained another way (the daemon's fallback fetch or its on-disk
-        snapshot, already verified against its signed manifest) as the base for the next deltas;
-        True if newer. With its *full* manifest the version is also served to peers catching up."""
+    async def adopt(self, version: int, result: bytes | Path, manifest: Manifest | None = None) -> bool:
+        """Take a version obtained another way (the daemon's on-disk snapshot: a file, linked
+        into the store, not copied; or bytes), already verified against its signed manifest, as
+        the base for the next deltas; True if newer. With its *full* manifest the version is also
+        served to peers catching up."""
         async with self._apply_lock:
             if version <= self.version:
                 return False
-            self.version, self.result = version, result
-            if manifest is not None and manifest.kind == "full" and manifest.version == version:
-                chunks = await trio.to_thread.run_sync(payload_chunks, manifest, result)
-                if chunks is not None:
-                    self.server.chain.hold(manifest, chunks)
+            path = self.server.store.new_path(version, "safetensors")
+
+            def place() -> tuple[bytes, bool]:
+                if isinstance(result, Path):
+                    link_or_copy(result, path)
+                else:
+                    write_at(path, 0, result)
+                full = manifest is not None and manifest.kind == "full" and manifest.version == version
+                digest = manifest.result_digest if manifest is not None else file_digest(path)
+                return digest, full and chunks_match_file(manifest, path)
+
+            digest, serve = await trio.to_thread.run_sync(place)
+            self._set_result(version, path, digest)
+            if serve:
+                self.server.chain.hold(manifest, path)  # type: ignore[arg-type]
+            await self.server.collect()
             return True
 
     def reset(self, learner_peer_id: str) -> None:
         """Forget every version (the learner restarted from an older checkpoint, or changed)."""
         self.learner = learner_peer_id
-        self.version, self.result = -1, None
+        self._set_result(-1, None, None)
         self.server.chain.clear()
         self.server.states.clear()
         self.known_peers.clear()
 
     # --- catch-up -------------------------------------------------------------------------------
-    async def catch_up(self, sources: list[str] | None = None, timeout: float = 300.0, *,
+    async def catch_up(self, sources: list[str] | None = None, timeout: float | None = None, *,
                        only: bool = False) -> int:
         """Reach the newest version any holder has: its chain (newest full snapshot + deltas,
-        or only the deltas after our version), chunks fetched from any holder, each version
-        verified before use; ``on_version`` is called for the newest one reached. Returns the
-        version held afterwards. ``sources`` are asked first, then known peers and the learner;
-        with ``only``, nobody else (``[learner]``: the direct fetch from the learner's store)."""
+        or only the deltas after our version), page by page, chunks fetched from any holder,
+        each version verified before use; ``on_version`` is called for the newest one reached.
+        Returns the version held afterwards. ``sources`` are asked first, then known peers and
+        the learner; with ``only``, nobody else (``[learner]``: the direct fetch from the
+        learner's store). ``timeout`` caps the whole catch-up; None: every step has its own
+        deadline, scaled with the bytes it moves (``Deadlines``)."""
         before = self.version
         async with self._apply_lock:
             await self._catch_up(sources, timeout, only)
@@ -315,26 +375,36 @@ class Relay:
             await self._deliver()  # on_version for the newest version reached
         return self.version
 
-    async def _catch_up(self, sources: list[str] | None, timeout: float, only: bool = False) -> int:
+    async def _catch_up(self, sources: list[str] | None, timeout: float | None, only: bool = False) -> int:
         candidates = list(sources or [])
         if not only:
             candidates += [p for p in self.known_peers if p not in candidates] + [self.learner]
         candidates = list(dict.fromkeys(candidates))
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(math.inf if timeout is None else timeout):
             for src in candidates:
-                try:
-                    reply = await self.host.request(src, CATCHUP, CatchUpRequest(run_id=self.run_id,
-                                                                                 have_version=self.version),
-                                                    expect=CatchUp, timeout=15.0)
-                except (PeerUnavailable, RemoteError) as exc:
-                    log.info("catch-up from %s: %s", short_id(src), exc)
-                    continue
-                assert isinstance(reply, CatchUp)
-                if not reply.manifests or reply.manifests[-1].version <= self.version:
-                    continue
-                if await self._follow_chain(reply.manifests, [src] + [c for c in candidates if c != src]):
+                if await self._catch_up_from(src, [src] + [c for c in candidates if c != src]):
                     break
         return self.version
+
+    async def _catch_up_from(self, src: str, holders: list[str]) -> bool:
+        """Follow ``src``'s chain page by page to its newest version; True if reached."""
+        progressed = False
+        while True:
+            try:
+                reply = await self.host.request(
+                    src, CATCHUP, CatchUpRequest(run_id=self.run_id, have_version=self.version),
+                    expect=CatchUp, timeout=self.deadlines.for_bytes(limits.MAX_FRAME_BYTES))
+            except (PeerUnavailable, RemoteError) as exc:
+                log.info("catch-up from %s: %s", short_id(src), exc)
+                return False
+            assert isinstance(reply, CatchUp)
+            if not reply.manifests or reply.manifests[-1].version <= self.version:
+                return progressed and not reply.more
+            if not await self._follow_chain(reply.manifests, holders):
+                return False
+            progressed = True
+            if not reply.more:
+                return True
 
     async def _follow_chain(self, manifests: list[Manifest], holders: list[str]) -> bool:
         for m in manifests:
@@ -344,35 +414,56 @@ class Relay:
                 log.warning("catch-up manifest v%d refused: %s", m.version, exc)
                 return False
         start = self.version
+        needed = sum(m.payload_bytes for m in manifests if m.version > start)
+        with trio.move_on_after(self.deadlines.for_bytes(needed)):
+            await self._apply_chain(manifests, holders)
+        return self.version > start
+
+    async def _apply_chain(self, manifests: list[Manifest], holders: list[str]) -> None:
+        """Fetch, verify and apply each manifest newer than ours, in order; stop at a gap."""
         for m in manifests:
             if m.version <= self.version:
                 continue
             if m.kind == "delta" and m.base_version != self.version:
-                return False
-            assembler = snapshot.ChunkAssembler(m)
-            for d in assembler.missing():
-                data = self.server.find_chunk(d)
-                for src in holders if data is None else []:
-                    try:
-                        reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk, timeout=30.0)
-                        assert isinstance(reply, Chunk)
-                        await trio.to_thread.run_sync(assembler.check, d, reply.data)
-                        data = reply.data
-                        break
-                    except (PeerUnavailable, RemoteError, ProtocolError):
-                        continue
-                if data is None:
-                    return False
-                assembler.add(d, data)
-            chunks = {ref.digest: assembler.get(ref.digest) for ref in m.chunks}
-            payload = assembler.payload()
-            base = self.result
-
+                return
+            path = self.server.store.new_path(m.version)
+            self.server.pinned.add(path)  # not collected while it is being filled
             try:
-                result = await trio.to_thread.run_sync(rebuild_version, m, payload, base)
+                if not await self._fetch_payload(m, path, holders):
+                    return
+                await self._take(m, path)
             except ProtocolError as exc:
                 log.warning("catch-up v%d failed verification: %s", m.version, exc)
+                return
+            finally:
+                if path != self.result_path:
+                    self.server.pinned.discard(path)
+
+    async def _fetch_payload(self, m: Manifest, path: Path, holders: list[str]) -> bool:
+        """Fill ``path`` with ``m``'s payload, chunk by chunk (held here, else from ``holders``),
+        each verified before it is written; False if a chunk could not be had."""
+        await trio.to_thread.run_sync(create_file, path, m.payload_bytes)
+        where: dict[bytes, list[int]] = {}
+        for i, ref in enumerate(m.chunks):
+            where.setdefault(ref.digest, []).append(i)
+        for d, idx in where.items():
+            data = await self.server.find_chunk(d)
+            sources = holders if data is None else []
+            if data is not None:
+                try:
+                    await trio.to_thread.run_sync(write_chunk, path, m, idx, d, data)
+                    continue
+                except ProtocolError:
+                    sources = holders
+            for src in sources:
+                try:
+                    reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
+                                                    timeout=self.deadlines.for_bytes(m.chunk_bytes))
+                    assert isinstance(reply, Chunk)
+                    await trio.to_thread.run_sync(write_chunk, path, m, idx, d, reply.data)
+                    break
+                except (PeerUnavailable, RemoteError, ProtocolError):
+                    continue
+            else:
                 return False
-            self.version, self.result = m.version, result
-            self.server.chain.hold(m, chunks)  # type: ignore[arg-type]
-        return self.version > start
+        return True

@@ -14,13 +14,13 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import trio
 
-from echorl.protocol import snapshot
-
 from echorl.net.host import PeerUnavailable
 from echorl.broadcast.relay import Relay
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES
 from echorl.net.transport import UploadLimiter
 
 
@@ -37,13 +37,16 @@ async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> N
     learner_id = args.learner.rsplit("/p2p/", 1)[1]
     identity = Identity.generate()
     async with open_host(identity, HostConfig(listen=args.listen)) as host:
-        def on_version(version: int, data: bytes) -> None:
-            _emit({"event": "version", "version": version, "digest": snapshot.digest(data).hex(),
-                   "bytes": len(data), "t": time.time()})
+        def on_version(version: int, path: Path) -> None:
+            # the digest the file was verified against (streamed over it before this call)
+            _emit({"event": "version", "version": version, "digest": relay.result_digest.hex(),
+                   "bytes": path.stat().st_size, "t": time.time(), "rss_mb": rss_mb(),
+                   "cache_peak_mb": relay.server.store.cache.peak_bytes / 2**20})
 
         relay = relay_class(host, learner_id, args.run_id, on_version=on_version,
-                      upload_limit=UploadLimiter.from_mbps(args.upload_mbps), stall_s=args.stall_s,
-                      direct=not args.no_direct)
+                            upload_limit=UploadLimiter.from_mbps(args.upload_mbps), stall_s=args.stall_s,
+                            direct=not args.no_direct, store_dir=Path(args.store_dir) if args.store_dir else None,
+                            cache_bytes=int(args.chunk_cache_mb * 2**20))
         relay.install()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(relay.run)
@@ -65,6 +68,15 @@ async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> N
             nursery.cancel_scope.cancel()
 
 
+def rss_mb(pid: int | None = None) -> float:
+    """A process's resident memory (VmRSS; default: this one), in MiB; 0 where /proc is missing."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+
+
 def main(argv: list[str] | None = None, relay_class: type[Relay] = Relay) -> None:
     ap = argparse.ArgumentParser(description="run one broadcast relay peer (bench/tests)")
     ap.add_argument("--learner", required=True, help="learner multiaddr /ip4/…/tcp/…/p2p/<id>")
@@ -77,6 +89,9 @@ def main(argv: list[str] | None = None, relay_class: type[Relay] = Relay) -> Non
     ap.add_argument("--source", action="append", default=[], help="peer multiaddr to catch up from")
     ap.add_argument("--dial-learner", action="store_true",
                     help="connect to the learner before reporting ready (a peer behind NAT cannot be dialed)")
+    ap.add_argument("--store-dir", default="", help="weight files here (default: a temporary directory)")
+    ap.add_argument("--chunk-cache-mb", type=float, default=DEFAULT_CACHE_BYTES / 2**20,
+                    help="memory for chunk frames in transit (the rest is read from the store's files)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     profile = os.environ.get("ECHORL_RELAY_PROFILE")  # a directory: one cProfile dump per process

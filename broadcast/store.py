@@ -1,19 +1,25 @@
-"""The one store of weight chunks a peer holds, for every use: ``VersionState`` (one version's
-chunks as they are verified, what plan children are streamed) and ``HeldChain`` (the verified
-versions kept after that: the newest full snapshot and the deltas after it, served to peers
-catching up and to a node's direct fetch; on the learner also the older versions the spot
-checker may still need).
+"""The one store of weight chunks a peer holds, for every use, on disk: ``WeightStore`` (the
+peer's store directory and its chunk cache), ``VersionState`` (one version's chunks as they are
+verified, what plan children are streamed) and ``HeldChain`` (the verified versions kept after
+that: the newest full snapshot and the deltas after it, served to peers catching up and to a
+node's direct fetch; on the learner also the older versions the spot checker may still need).
 
-Each chunk is held once, as the encoded ``Chunk`` frame body a parent forwards verbatim; its
-bytes are a ``memoryview`` into that body, so the chain, the catch-up answers and the rebuilt
-payload never hold a second copy. Both the learner's ``Broadcaster`` and every node's ``Relay``
-serve from it (``broadcast/chunk_server.py``).
+A version's payload is one file (chunk i at offset i × ``chunk_bytes``), written chunk by chunk
+as each is verified and read back by offset (``broadcast/files.py``); a delta's rebuilt result
+is a second file. Memory holds only the ``ChunkCache`` (encoded ``Chunk`` frame bodies keyed by
+their digest: what a relay forwards while its children keep up), bounded by ``cache_bytes``,
+whatever the model's size. Both the learner's ``Broadcaster`` and every node's ``Relay`` serve
+from it (``broadcast/chunk_server.py``).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import re
+import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import trio
 
@@ -23,8 +29,11 @@ from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce
 from echorl.protocol.plan import BroadcastPlan, PlanPeer, Stripe, plan_broadcast
 
-ChunkBytes = bytes | memoryview
-ChainEntry = tuple[Manifest, Mapping[bytes, ChunkBytes]]
+from echorl.broadcast.files import ChunkCache, create_file, read_at, write_at
+
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+_OURS = re.compile(r"^v\d+-\d+\.(payload|safetensors)$")
+_uid = itertools.count()
 
 
 def plan_of(ann: PlanAnnounce) -> BroadcastPlan:
@@ -37,59 +46,70 @@ def plan_of(ann: PlanAnnounce) -> BroadcastPlan:
     return plan_broadcast(learner, peers, ann.fanout, ann.seed, striped=ann.shape == "striped")
 
 
-def chunk_body(d: bytes, data: ChunkBytes, body: bytes | None = None) -> tuple[bytes, memoryview]:
-    """The frame body of chunk ``d`` and a view of its bytes inside it (one copy). A received
-    ``body`` is kept when its bytes end it (msgpack puts ``data`` last); else it is re-encoded."""
-    n = len(data)
-    if body is None or not body.endswith(data):
-        body = wire.encode(Chunk(digest=d, data=bytes(data)))
-    return body, memoryview(body)[len(body) - n:]
+def chunk_body(d: bytes, data: bytes) -> bytes:
+    """The ``Chunk`` frame body of chunk ``d`` (what a parent forwards)."""
+    return wire.encode(Chunk(digest=d, data=bytes(data)))
 
 
-def rebuild_version(manifest: Manifest, payload: bytes, base: bytes | None) -> bytes:
-    """The version's safetensors file from a verified payload (a full file, or a delta applied
-    to ``base``), checked bit for bit against the manifest. Raises ``ProtocolError``."""
-    if manifest.kind == "full":
-        result = payload
-    elif base is None:
-        raise ProtocolError(ErrorCode.BAD_MANIFEST, f"delta v{manifest.version} needs its base version")
-    else:
-        result = delta_mod.apply_delta(base, payload)
-    snapshot.verify_result(manifest, result)
-    return result
+class WeightStore:
+    """A peer's weight files and chunk cache. ``directory``: where the files live (a fresh
+    temporary directory, removed with the store, if None; a given one is emptied of this
+    module's files first: they belonged to an earlier process)."""
 
+    def __init__(self, directory: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self._tmp = None
+        if directory is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="echorl-store-")
+            directory = Path(self._tmp.name)
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cache = ChunkCache(cache_bytes)
+        self._remove(set())
 
-def payload_chunks(manifest: Manifest, payload: bytes) -> dict[bytes, memoryview] | None:
-    """Views of ``payload`` cut into the manifest's chunks, each checked against its digest;
-    None if it does not match (then nothing is served from it)."""
-    chunks: dict[bytes, memoryview] = {}
-    view = memoryview(payload)
-    offset = 0
-    for ref in manifest.chunks:
-        piece = view[offset:offset + ref.size]
-        if snapshot.digest(piece) != ref.digest:
-            return None
-        chunks[ref.digest] = piece
-        offset += ref.size
-    return chunks if offset == len(payload) else None
+    def new_path(self, version: int, kind: str = "payload") -> Path:
+        """A file name no other version state uses (a version may be received twice)."""
+        return self.dir / f"v{version}-{next(_uid)}.{kind}"
+
+    def _remove(self, live: set[Path]) -> list[Path]:
+        removed = []
+        for entry in self.dir.iterdir():
+            if _OURS.match(entry.name) and entry not in live:
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+        return removed
+
+    async def collect(self, live: set[Path]) -> None:
+        """Remove this store's files that nothing uses any more (in a worker thread)."""
+        await trio.to_thread.run_sync(self._remove, live)
+
+    def disk_bytes(self, paths: set[Path]) -> int:
+        return sum(p.stat().st_size for p in paths if p.exists())
+
+    async def body(self, path: Path, d: bytes, offset: int, size: int) -> bytes:
+        """The frame body of chunk ``d`` stored at ``offset`` of ``path``: from the cache, else
+        read and encoded in a worker thread (and cached)."""
+        body = self.cache.get(d)
+        if body is None:
+            body = await trio.to_thread.run_sync(lambda: chunk_body(d, read_at(path, offset, size)))
+            self.cache.put(d, body)
+        return body
 
 
 class VersionState:
     """One version in flight at one peer: chunks as they are verified, waiters woken per chunk.
+    The payload is the file ``path``; ``have[i]`` says chunk i is in it (verified)."""
 
-    ``bodies[i]`` is chunk i as an encoded ``Chunk`` message: what a parent forwards verbatim
-    (verified once, never re-encoded); ``data[i]`` is a view of its bytes inside that body."""
-
-    def __init__(self, ann: PlanAnnounce, me: str) -> None:
+    def __init__(self, ann: PlanAnnounce, me: str, store: WeightStore) -> None:
         self.announce = ann
         self.manifest = ann.manifest
         self.version = ann.version
         self.plan = plan_of(ann)
         self.me = me
+        self.store = store
+        self.path = store.new_path(ann.version)
         self.n = len(self.manifest.chunks)
         self.n_stripes = len(self.plan.stripes)
-        self.bodies: list[bytes | None] = [None] * self.n
-        self.data: list[memoryview | None] = [None] * self.n
+        self.have = bytearray(self.n)
         self.by_digest: dict[bytes, list[int]] = {}
         for i, ref in enumerate(self.manifest.chunks):
             self.by_digest.setdefault(ref.digest, []).append(i)
@@ -98,31 +118,32 @@ class VersionState:
         self._changed = trio.Event()
         self.done = trio.Event()
         self.started = time.monotonic()
+        self._opened = False
+        self._open_lock = trio.Lock()
+
+    async def open(self) -> None:
+        """Create the payload file (its full size, sparse) before the first chunk (once: the
+        stripes' first chunks arrive together)."""
+        async with self._open_lock:
+            if not self._opened:
+                await trio.to_thread.run_sync(create_file, self.path, self.manifest.payload_bytes)
+                self._opened = True
+
+    def offset(self, i: int) -> int:
+        return i * self.manifest.chunk_bytes
 
     def stripe_indices(self, s: int) -> range:
         return range(s, self.n, self.n_stripes)
 
     def has(self, i: int) -> bool:
-        return self.data[i] is not None
+        return bool(self.have[i])
 
-    def get_by_digest(self, d: bytes) -> memoryview | None:
+    def index_of(self, d: bytes) -> int | None:
+        """A held chunk's index, or None."""
         idx = self.by_digest.get(d)
-        return None if not idx else self.data[idx[0]]
+        return idx[0] if idx and self.have[idx[0]] else None
 
-    def put(self, d: bytes, data: ChunkBytes, body: bytes | None = None) -> bool:
-        """Store a chunk already verified against ``d``; True if new. Wakes all waiters."""
-        idx = self.by_digest.get(d)
-        if not idx or self.data[idx[0]] is not None:
-            return False
-        body, view = chunk_body(d, data, body)
-        for i in idx:
-            self.data[i] = view
-            self.bodies[i] = body
-        self._changed.set()
-        self._changed = trio.Event()
-        return True
-
-    def verify(self, d: bytes, data: ChunkBytes) -> None:
+    def verify(self, d: bytes, data: bytes | memoryview) -> None:
         """Raise BAD_CHUNK unless ``data`` is the chunk the manifest names ``d``."""
         idx = self.by_digest.get(d)
         if not idx:
@@ -130,51 +151,88 @@ class VersionState:
         if len(data) != self.manifest.chunks[idx[0]].size or snapshot.digest(data) != d:
             raise ProtocolError(ErrorCode.BAD_CHUNK, "chunk bytes do not match their digest")
 
+    async def put(self, d: bytes, data: bytes, body: bytes | None = None) -> bool:
+        """Store a chunk already verified against ``d`` (written at each of its offsets in a
+        worker thread, its frame body cached); True if new. Wakes all waiters."""
+        idx = self.by_digest.get(d)
+        if not idx or self.have[idx[0]]:
+            return False
+        await self.open()
+
+        def write() -> None:
+            for i in idx:
+                write_at(self.path, self.offset(i), data)
+
+        await trio.to_thread.run_sync(write)
+        if self.have[idx[0]]:
+            return False
+        if body is None or not body.endswith(data):
+            body = None
+        self.store.cache.put(d, body if body is not None else chunk_body(d, data))
+        for i in idx:
+            self.have[i] = 1
+        self._wake()
+        return True
+
+    async def fill(self, payload: bytes) -> None:
+        """The whole payload at once (the learner's own version), already cut per the manifest."""
+        await trio.to_thread.run_sync(write_at, self.path, 0, payload)
+        self._opened = True
+        self.have[:] = b"\x01" * self.n
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def body(self, i: int) -> bytes:
+        ref = self.manifest.chunks[i]
+        return await self.store.body(self.path, ref.digest, self.offset(i), ref.size)
+
     async def wait_for(self, i: int) -> None:
-        while self.data[i] is None:
+        while not self.have[i]:
             await self._changed.wait()
 
     def stripe_complete(self, s: int) -> bool:
-        return all(self.data[i] is not None for i in self.stripe_indices(s))
+        return all(self.have[i] for i in self.stripe_indices(s))
 
     @property
     def complete(self) -> bool:
-        return all(d is not None for d in self.data)
+        return all(self.have)
 
-    def payload(self) -> bytes:
-        return b"".join(self.data)  # type: ignore[arg-type]
-
-    def chunks(self) -> dict[bytes, memoryview]:
-        """``{digest: view}`` of a complete version (what ``HeldChain.hold`` keeps)."""
-        return {ref.digest: self.data[idx[0]] for ref in self.manifest.chunks  # type: ignore[misc]
-                for idx in (self.by_digest[ref.digest],)}
+    def missing(self) -> int:
+        return self.n - sum(self.have)
 
 
 class HeldChain:
     """Verified versions held after their broadcast: runs of a full snapshot and the deltas after
-    it, oldest first. ``retain`` (versions) keeps older runs while a version within ``retain`` of
-    the newest still needs them (the learner: S, so every version a rollout may be sampled with
-    can be rebuilt for a spot check); 0 keeps only the newest run (a relay).
+    it, oldest first, each as its payload file. ``retain`` (versions) keeps older runs while a
+    version within ``retain`` of the newest still needs them (the learner: S, so every version a
+    rollout may be sampled with can be rebuilt for a spot check); 0 keeps only the newest run (a
+    relay).
 
     ``entries`` is replaced, never mutated, so a worker thread may read a snapshot of it."""
 
     def __init__(self, retain: int = 0) -> None:
         self.retain = max(0, retain)
-        self.entries: list[ChainEntry] = []
+        self.entries: list[tuple[Manifest, Path, dict[bytes, int]]] = []
 
-    def hold(self, manifest: Manifest, chunks: Mapping[bytes, ChunkBytes]) -> None:
-        """Add a verified version's payload chunks."""
+    def hold(self, manifest: Manifest, path: Path) -> None:
+        """Add a verified version's payload file."""
+        index = {}
+        for i, ref in enumerate(manifest.chunks):
+            index.setdefault(ref.digest, i)
         if manifest.kind == "full" or (self.entries and self.entries[-1][0].version == manifest.base_version):
-            entries = self.entries + [(manifest, chunks)]
+            entries = self.entries + [(manifest, path, index)]
         else:
             entries = []  # a delta we cannot chain: serve nothing rather than a broken chain
         self.entries = self._trimmed(entries)
 
-    def _trimmed(self, entries: list[ChainEntry]) -> list[ChainEntry]:
+    def _trimmed(self, entries: list) -> list:
         if not entries:
             return entries
         cutoff = entries[-1][0].version - self.retain
-        fulls = [i for i, (m, _) in enumerate(entries) if m.kind == "full"]
+        fulls = [i for i, e in enumerate(entries) if e[0].kind == "full"]
         older = [i for i in fulls if entries[i][0].version <= cutoff]
         return entries[(older[-1] if older else fulls[0]):]
 
@@ -185,44 +243,51 @@ class HeldChain:
     def version(self) -> int:
         return self.entries[-1][0].version if self.entries else -1
 
+    def paths(self) -> set[Path]:
+        return {path for _, path, _ in self.entries}
+
     def newest_run(self) -> list[Manifest]:
         """The newest full snapshot's manifest and every delta after it (what catch-up serves)."""
-        manifests = [m for m, _ in self.entries]
+        manifests = [e[0] for e in self.entries]
         start = max((i for i, m in enumerate(manifests) if m.kind == "full"), default=len(manifests))
         return manifests[start:]
 
     def manifest(self, version: int) -> Manifest | None:
-        return next((m for m, _ in reversed(self.entries) if m.version == version), None)
+        return next((e[0] for e in reversed(self.entries) if e[0].version == version), None)
 
-    def find_chunk(self, d: bytes) -> ChunkBytes | None:
-        for _, chunks in reversed(self.entries):
-            data = chunks.get(d)
-            if data is not None:
-                return data
+    def locate(self, d: bytes) -> tuple[Path, int, int] | None:
+        """(file, offset, size) of chunk ``d`` in the newest held version that has it."""
+        for m, path, index in reversed(self.entries):
+            i = index.get(d)
+            if i is not None:
+                return path, i * m.chunk_bytes, m.chunks[i].size
         return None
 
     def version_bytes(self, version: int) -> bytes | None:
-        """``version``'s safetensors file rebuilt from the held chunks (the full snapshot before
-        it, then each delta), or None if not held. Pure computation: call it in a worker thread."""
+        """``version``'s safetensors file rebuilt in memory from the held files (the full
+        snapshot before it, then each delta), or None if not held. Blocking: a worker thread."""
         entries = self.entries
-        at = next((i for i, (m, _) in enumerate(entries) if m.version == version), None)
+        at = next((i for i, e in enumerate(entries) if e[0].version == version), None)
         if at is None:
             return None
         start = max(i for i in range(at + 1) if entries[i][0].kind == "full")
         result: bytes | None = None
-        for m, chunks in entries[start:at + 1]:
-            result = rebuild_version(m, b"".join(chunks[ref.digest] for ref in m.chunks), result)
+        try:
+            for m, path, _ in entries[start:at + 1]:
+                payload = read_at(path, 0, m.payload_bytes)
+                result = payload if m.kind == "full" else delta_mod.apply_delta(result, payload)  # type: ignore[arg-type]
+                snapshot.verify_result(m, result)
+        except (OSError, ProtocolError):
+            return None
         return result
 
-    def held_bytes(self) -> int:
-        """Bytes of the distinct buffers the chain's chunks live in."""
-        return distinct_bytes(c for _, chunks in self.entries for c in chunks.values())
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` holds ``src``'s bytes: a hard link (no second copy) where the file system allows."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        import shutil
 
-def distinct_bytes(pieces: Iterable[ChunkBytes]) -> int:
-    """Total size of the distinct buffers ``pieces`` (bytes or views into them) occupy."""
-    seen: dict[int, int] = {}
-    for p in pieces:
-        buf = p.obj if isinstance(p, memoryview) else p
-        seen[id(buf)] = len(buf)
-    return sum(seen.values())
+        shutil.copyfile(src, dst)

@@ -102,6 +102,9 @@ class PeerFields(Section):
     """public address to advertise before the interface ones, e.g. /ip4/203.0.113.7/tcp/4001 when
     peers reach this machine through NAT or a forwarded port (repeatable)"""
     upload_mbps: UploadMbps = 0.0
+    chunk_cache_mb: float = Field(64.0, ge=1.0, le=1024.0 * 1024)
+    """memory for weight chunks in transit (MiB); the weights themselves live in files, so this,
+    not the model's size, bounds what relaying a version costs in RAM"""
     metrics_port: str = Field("", pattern=r"^(\S{1,253}:)?\d{1,5}$|^$")
     """serve Prometheus /metrics on PORT (127.0.0.1) or HOST:PORT (names in docs/metrics.md)"""
 

@@ -48,10 +48,15 @@ async def fetch_status(host: Any, membership: Any, bootstrap: str, run_id: str) 
     from echorl.net.membership import find_learner
 
     learner = await find_learner(host, bootstrap, run_id, membership)
-    reply = await host.request(learner, routes.STATUS, StatusRequest(), expect=Status)
-    assert isinstance(reply, Status)
+    peers: list[dict[str, Any]] = []
+    cursor: int | None = 0
+    while cursor is not None and len(peers) < MAX_PEERS_SHOWN:  # the status in pages (a cursor)
+        reply = await host.request(learner, routes.STATUS, StatusRequest(cursor=cursor), expect=Status)
+        assert isinstance(reply, Status)
+        peers += [dict(p) for p in reply.peers]
+        cursor = reply.next_cursor if reply.next_cursor is not None and reply.next_cursor > cursor else None
     dht_nodes = await membership.find_nodes(timeout=5.0) if membership is not None else []
-    return {"run_id": reply.run_id, "learner": dict(reply.learner), "peers": [dict(p) for p in reply.peers],
+    return {"run_id": reply.run_id, "learner": dict(reply.learner), "peers": peers,
             "dht_nodes": dht_nodes, "fetched_at": time.time()}
 
 
@@ -91,6 +96,8 @@ def _fmt(v: Any, nd: int = 2) -> str:
         return f"{v:.{nd}f}"
     return str(v)
 
+
+MAX_PEERS_SHOWN = 100_000  # pages fetched at most (a learner's peer table is bounded far below)
 
 LEARNER_FIELDS = (
     ("peer", "peer_id"), ("step", "step"), ("version", "version"), ("S", "staleness_bound"),

@@ -208,7 +208,8 @@ def _broadcaster(cfg: LearnerConfig, host: Any, identity: Any, limiter: Any) -> 
 
     return Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
                        full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
-                       done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness)
+                       done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness,
+                       cache_bytes=int(cfg.chunk_cache_mb * 2**20))
 
 
 async def _start_publishing(cfg: LearnerConfig, bc: Any, loop: Any, provisioning: Any, service: Any,

@@ -336,9 +336,10 @@ class LearnerService(Policing):
         return LeaseReturn(run_id=self.run_id, lease_ids=[r.lease_id for r in returned])
 
     async def on_status(self, msg: Message, ctx: RequestContext) -> Message:
-        return self.status()
+        assert isinstance(msg, StatusRequest)
+        return self.status(msg.cursor or 0, min(msg.limit or limits.DEFAULT_STATUS_PAGE, limits.MAX_STATUS_PAGE))
 
-    def status(self) -> Status:
+    def status(self, cursor: int = 0, limit: int = limits.DEFAULT_STATUS_PAGE) -> Status:
         now = time.monotonic()
         learner = {"peer_id": self.identity.peer_id, "version": self.version, "staleness_bound": self.policy.staleness,
                    "buffer": len(self.buffer), "leases_active": len(self.book.active),
@@ -350,7 +351,7 @@ class LearnerService(Policing):
         learner.update(self.activation_metrics())
         learner.update(self.ledger.metrics(self.peers.values(), self.version, self.policy.group_size))
         peers = []
-        for p in self.peers.values():
+        for p in list(self.peers.values())[cursor:cursor + limit]:
             c = p.capability
             peers.append({"peer_id": p.peer_id, "device": c.device, "engine": c.engine, "version": p.version,
                           "tokens_per_s": round(c.tokens_per_s, 1), "price_per_hour": c.price_per_hour,
@@ -359,7 +360,9 @@ class LearnerService(Policing):
                           "last_seen_s": round(now - p.last_seen, 2), "alive": p.alive, "reachable": c.reachable,
                           "logprob_mismatches": self.mismatches.get(p.peer_id, 0), "banned": self.banned(p.peer_id),
                           "standby": self.is_standby(p.peer_id), **self.ledger.peer_fields(p.peer_id)})
-        return Status(run_id=self.run_id, learner=finite_row(learner), peers=[finite_row(p) for p in peers])
+        return Status(run_id=self.run_id, learner=finite_row(learner), peers=[finite_row(p) for p in peers],
+                      total_peers=len(self.peers),
+                      next_cursor=cursor + limit if cursor + limit < len(self.peers) else None)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
         """The joined nodes a version is broadcast to: alive and heard from recently."""

@@ -214,7 +214,8 @@ async def main(cfg: NodeConfig) -> None:
     async with open_host(identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
         cap = _capability(cfg, tps, host.addrs)
         state.weights = NodeWeights(host, cfg.run_id, backend, UploadLimiter.from_mbps(cfg.upload_mbps),
-                                    keeper=SnapshotKeeper(state_dir, cfg.run_id))
+                                    keeper=SnapshotKeeper(state_dir, cfg.run_id),
+                                    cache_bytes=int(cfg.chunk_cache_mb * 2**20))
         async with trio.open_nursery() as nursery:
             state.membership = Membership(host, cfg.run_id, server=True)
             await nursery.start(state.membership.run)

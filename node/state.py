@@ -10,10 +10,15 @@ Only the newest pair is kept. Every file is written atomically (temporary file, 
 manifest on disk always has its weights beside it, and a crash between the two leaves at most
 one stale pair that the next write or load removes.
 
+The weights file *is* the relay's store file: ``offer`` hard-links it into the state directory
+(``.v<version>.pending.tmp``; a copy only where the file system refuses links), so a version is
+on disk once however many names it has, and the relay may drop its own name meanwhile.
+
 Nothing read back is trusted: the manifest is decoded strictly, must be signed by the pinned
 learner for this run (``verify_manifest``), and the weights must be exactly the result it
-describes (``verify_result``: file digest and every tensor's digest). A pair that fails is
-deleted, with a log line saying why. The same checks run before a pair is written.
+describes (``verify_result_file``: file digest and every tensor's digest, streamed over the
+file). A pair that fails is deleted, with a log line saying why. The same checks run before a
+pair is written.
 
 ``SnapshotKeeper`` does the writing for the node daemon from a trio task: every disk operation
 runs in a worker thread, never on the event loop. Write policy: only the newest version offered
@@ -33,7 +38,9 @@ from pathlib import Path
 
 import trio
 
-from echorl.atomic import atomic_write_bytes
+from echorl.atomic import atomic_write_bytes, fsync_dir
+from echorl.broadcast.files import verify_result_file
+from echorl.broadcast.store import link_or_copy
 from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.messages import Manifest
@@ -47,14 +54,19 @@ _NAME = re.compile(r"^v(\d{1,16})\.(safetensors|manifest)$")
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A verified version: its signed manifest and its safetensors bytes."""
+    """A verified version: its signed manifest and its safetensors file."""
 
     manifest: Manifest
-    data: bytes
+    path: Path
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    @property
+    def data(self) -> bytes:
+        """The whole file (tests and small models; load large ones through ``path``)."""
+        return self.path.read_bytes()
 
 
 def default_state_dir(key_path: str | os.PathLike[str], run_id: str) -> Path:
@@ -66,11 +78,11 @@ def default_state_dir(key_path: str | os.PathLike[str], run_id: str) -> Path:
     return key.parent / f"state-{safe_key}-{safe_run}"
 
 
-def verify_snapshot(manifest: Manifest, data: bytes, learner_peer_id: str, run_id: str) -> None:
-    """Signed by the pinned learner for this run, and ``data`` is exactly the version's file.
+def verify_snapshot(manifest: Manifest, path: Path, learner_peer_id: str, run_id: str) -> None:
+    """Signed by the pinned learner for this run, and ``path`` is exactly the version's file.
     Raises ``ProtocolError``."""
     snapshot.verify_manifest(manifest, learner_peer_id, run_id)
-    snapshot.verify_result(manifest, data)
+    verify_result_file(manifest, path)
 
 
 # --- files -----------------------------------------------------------------------------------
@@ -105,10 +117,18 @@ def _remove_temporaries(state_dir: Path) -> None:
 def write_snapshot(state_dir: Path, snap: Snapshot, learner_peer_id: str, run_id: str) -> None:
     """Verify ``snap``, write it (weights, then manifest: the commit point) and remove every
     older pair. Blocking: call it in a worker thread. Raises ``ProtocolError`` if unverified."""
-    verify_snapshot(snap.manifest, snap.data, learner_peer_id, run_id)
+    verify_snapshot(snap.manifest, snap.path, learner_peer_id, run_id)
     state_dir.mkdir(parents=True, exist_ok=True)
     weights_path, manifest_path = _paths(state_dir, snap.version)
-    atomic_write_bytes(weights_path, snap.data)
+    if snap.path != weights_path:
+        tmp = state_dir / f".{weights_path.name}.tmp"
+        link_or_copy(snap.path, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, weights_path)
+        fsync_dir(state_dir)
+        if snap.path.parent == state_dir and snap.path.name.startswith("."):
+            snap.path.unlink(missing_ok=True)  # the pending link of ``offer``
     atomic_write_bytes(manifest_path, wire.encode(snap.manifest))
     for version in _versions_on_disk(state_dir):
         if version != snap.version:
@@ -116,13 +136,16 @@ def write_snapshot(state_dir: Path, snap: Snapshot, learner_peer_id: str, run_id
 
 
 def clear_snapshots(state_dir: Path) -> None:
-    """Remove every snapshot pair (the learner went back to an older checkpoint or changed)."""
+    """Remove every snapshot pair and pending link (the learner went back to an older
+    checkpoint or changed)."""
     for version in _versions_on_disk(state_dir):
         _remove(state_dir, version)
+    if state_dir.is_dir():
+        _remove_temporaries(state_dir)
 
 
-def _read_pair(state_dir: Path, version: int) -> tuple[Manifest, bytes]:
-    """Strictly decoded manifest and the weights (size checked before reading)."""
+def _read_pair(state_dir: Path, version: int) -> tuple[Manifest, Path]:
+    """Strictly decoded manifest and the weights file (its size checked)."""
     weights_path, manifest_path = _paths(state_dir, version)
     if manifest_path.stat().st_size > limits.MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.OVERSIZED, "manifest file larger than any manifest")
@@ -132,7 +155,7 @@ def _read_pair(state_dir: Path, version: int) -> tuple[Manifest, bytes]:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, f"file v{version} holds a manifest of v{manifest.version}")
     if weights_path.stat().st_size != manifest.result_bytes:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, "weights file size differs from the manifest's")
-    return manifest, weights_path.read_bytes()
+    return manifest, weights_path
 
 
 def load_snapshot(state_dir: Path, learner_peer_id: str, run_id: str) -> Snapshot | None:
@@ -151,9 +174,9 @@ def load_snapshot(state_dir: Path, learner_peer_id: str, run_id: str) -> Snapsho
         try:
             if found[version] != {"safetensors", "manifest"}:
                 raise ProtocolError(ErrorCode.NOT_FOUND, "incomplete pair (interrupted write)")
-            manifest, data = _read_pair(state_dir, version)
-            verify_snapshot(manifest, data, learner_peer_id, run_id)
-            best = Snapshot(manifest, data)
+            manifest, path = _read_pair(state_dir, version)
+            verify_snapshot(manifest, path, learner_peer_id, run_id)
+            best = Snapshot(manifest, path)
         except (ProtocolError, OSError) as exc:
             log.warning("discarding on-disk snapshot v%d in %s: %s", version, state_dir, exc)
             _remove(state_dir, version)
@@ -187,17 +210,37 @@ class SnapshotKeeper:
             self.written = snap.version
         return snap
 
-    def offer(self, manifest: Manifest, data: bytes, learner_peer_id: str) -> None:
-        """A newer verified version to keep (written later by ``run``, or by ``flush``)."""
-        if manifest.version <= self.written or (self._pending and manifest.version <= self._pending[0].version):
+    def _stale(self, version: int) -> bool:
+        return version <= self.written or (self._pending is not None and version <= self._pending[0].version)
+
+    async def offer(self, manifest: Manifest, path: Path, learner_peer_id: str) -> None:
+        """A newer verified version to keep (written later by ``run``, or by ``flush``): its file
+        is hard-linked here now, so it outlives the relay's own name for it."""
+        if self._stale(manifest.version):
             return
-        self._pending = (Snapshot(manifest, data), learner_peer_id)
+        pending = self.state_dir / f".v{manifest.version}.pending.tmp"
+
+        def link() -> None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            link_or_copy(path, pending)
+
+        try:
+            await trio.to_thread.run_sync(link)
+        except OSError as exc:
+            log.warning("could not keep snapshot v%d: %s", manifest.version, exc)
+            return
+        if self._stale(manifest.version):  # a newer one came while we linked
+            await trio.to_thread.run_sync(pending.unlink, True)
+            return
+        old, self._pending = self._pending, (Snapshot(manifest, pending), learner_peer_id)
         self._clear = False
         self._wake.set()
+        if old is not None:
+            await trio.to_thread.run_sync(old[0].path.unlink, True)
 
     def discard(self) -> None:
         """Forget the pending snapshot and remove the one on disk (soon, in ``run``)."""
-        self._pending = None
+        self._pending = None  # its pending link is a temporary: removed with the rest
         self._clear = True
         self.written = -1
         self._wake.set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,6 @@ from echorl.node.state import SnapshotKeeper
 log = logging.getLogger("echorl.node.daemon")
 
 WAIT_FOR_BROADCAST_S = 3.0  # a refused node first waits this long for the broadcast in flight
-CATCH_UP_TIMEOUT_S = 30.0
-FETCH_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -47,6 +46,7 @@ class NodeWeights:
     changed: trio.Event = field(default_factory=trio.Event)
     loads: dict[str, int] = field(default_factory=lambda: {"relay": 0, "fetch": 0})
     keeper: SnapshotKeeper | None = None  # the newest verified version on disk
+    cache_bytes: int = 64 * 1024 * 1024  # the relay's chunk cache (its weights live on disk)
     started_from: int = -1  # the on-disk version this process started from (-1: none)
     _via: str = "relay"  # what ``_on_version`` counts a load as ("fetch" during a direct fetch)
 
@@ -55,8 +55,12 @@ class NodeWeights:
         from echorl.broadcast.relay import Relay
 
         if self.relay is None:
+            # with a keeper, the relay's files live beside the snapshot (one file system: the
+            # snapshot on disk is a hard link to the store's file, not a copy)
+            store_dir = None if self.keeper is None else self.keeper.state_dir / "store"
             self.relay = Relay(self.host, learner, self.run_id, on_version=self._on_version,
-                               upload_limit=self.upload_limit)
+                               upload_limit=self.upload_limit, store_dir=store_dir,
+                               cache_bytes=self.cache_bytes)
             await self._resume(learner)
             self.relay.install()
             nursery.start_soon(self.relay.run)
@@ -74,17 +78,17 @@ class NodeWeights:
             log.info("no usable on-disk snapshot in %s: weights come from the network", self.keeper.state_dir)
             return
         try:
-            loaded = await self._load(snap.version, snap.data, "disk")
+            loaded = await self._load(snap.version, snap.path, "disk")
         except Exception as exc:  # noqa: BLE001 - a snapshot the backend refuses is only a cache miss
             log.warning("on-disk snapshot v%d does not load (%s): discarding it", snap.version, exc)
             self.keeper.discard()
             return
         if loaded:
             # the base of the next broadcast delta, and (a full snapshot) served to peers catching up
-            await self.relay.adopt(snap.version, snap.data, snap.manifest)
+            await self.relay.adopt(snap.version, snap.path, snap.manifest)
             self.started_from = snap.version
             log.info("resumed from on-disk snapshot v%d (%s, %d bytes)", snap.version, snap.manifest.kind,
-                     len(snap.data))
+                     snap.manifest.result_bytes)
 
     def forget(self, learner: str) -> None:
         """Drop every version (the learner changed or went back to an older checkpoint), on disk
@@ -100,16 +104,17 @@ class NodeWeights:
         if self.keeper is not None:
             await self.keeper.flush()
 
-    async def _on_version(self, version: int, data: bytes) -> None:
+    async def _on_version(self, version: int, path: Path) -> None:
         """Relay callback: a verified version (broadcast or catch-up) → the backend (and disk)."""
-        if await self._load(version, data, self._via):
-            self._keep(self._relay_manifest(version), data)
+        if await self._load(version, path, self._via):
+            await self._keep(self._relay_manifest(version), path)
 
-    async def _load(self, version: int, data: bytes, how: str) -> bool:
-        """Load ``version`` into the backend unless we hold it or newer; True if loaded."""
+    async def _load(self, version: int, path: Path, how: str) -> bool:
+        """Load ``version`` (its verified safetensors file, opened lazily per tensor) into the
+        backend unless we hold it or newer; True if loaded."""
         if version <= self.version:
             return False
-        sd = await trio.to_thread.run_sync(snapshot.safetensors_to_state_dict, data)
+        sd = await trio.to_thread.run_sync(snapshot.safetensors_file_to_state_dict, path)
         async with self.lock:
             if version <= self.version:
                 return False
@@ -121,11 +126,11 @@ class NodeWeights:
         log.debug("weights v%d via %s", version, how)
         return True
 
-    def _keep(self, manifest: Manifest | None, data: bytes) -> None:
+    async def _keep(self, manifest: Manifest | None, path: Path) -> None:
         """Hand a loaded version to the keeper (which verifies the pair again before writing)."""
         if self.keeper is None or manifest is None or manifest.version != self.version:
             return
-        self.keeper.offer(manifest, data, self.relay.learner)
+        await self.keeper.offer(manifest, path, self.relay.learner)
 
     def _relay_manifest(self, version: int) -> Manifest | None:
         """The manifest the relay verified ``version`` against (its held chain or the version's
@@ -158,7 +163,7 @@ class NodeWeights:
                     await self.changed.wait()
             if self.version >= target:
                 return
-        await self.relay.catch_up(timeout=CATCH_UP_TIMEOUT_S)
+        await self.relay.catch_up()  # deadlines scale with the bytes moved
         if self.version < target:
             await self._fetch()
 
@@ -168,7 +173,7 @@ class NodeWeights:
         t0, before = time.perf_counter(), self.version
         self._via = "fetch"
         try:
-            await self.relay.catch_up([self.relay.learner], timeout=FETCH_TIMEOUT_S, only=True)
+            await self.relay.catch_up([self.relay.learner], only=True)
         finally:
             self._via = "relay"
         if self.version > before:

@@ -29,6 +29,12 @@ MAX_TENSORS = 1 << 16
 MAX_TENSOR_DIMS = 8
 #: Chunks in one manifest (64 GiB at the default chunk size; a larger model sets larger chunks).
 MAX_CHUNKS = 1 << 18
+#: Peers in one ``Status`` page (a peer's entry is ~0.5 KiB: a page stays under 1 MiB).
+MAX_STATUS_PAGE = 1024
+DEFAULT_STATUS_PAGE = 256
+#: Encoded manifest bytes in one ``CatchUp`` page; its first manifest is sent whatever its size
+#: (one manifest of a 60 GB model at the default chunk size is ~13 MB, under the frame cap).
+CATCHUP_PAGE_BYTES = 4 * MiB
 #: Maximum msgpack nesting accepted.
 MAX_DEPTH = 8
 #: Signed records older/newer than this (seconds) are replays / clock errors.

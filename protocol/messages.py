@@ -310,15 +310,27 @@ class Chunk(Message):
     data: Annotated[bytes, Field(min_length=1, max_length=limits.MAX_CHUNK_BYTES)]
 
 
-class StatusRequest(Message):
+class StatusRequest(Message, OptionalFieldsModel):
+    """One page of the status: peers from ``cursor`` on (their order is the learner's join
+    order), at most ``limit`` of them (the learner may send fewer)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("cursor", "limit")
     type: Literal["status_request"] = "status_request"
+    cursor: Count | None = None  # None: 0
+    limit: Annotated[int, Field(ge=1, le=limits.MAX_STATUS_PAGE)] | None = None  # None: the page size
 
 
-class Status(Message):
+class Status(Message, OptionalFieldsModel):
+    """One page: ``next_cursor`` is where the next page starts (None: this is the last), and
+    ``total_peers`` how many peers the learner knows; ``learner`` is on every page."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("next_cursor", "total_peers")
     type: Literal["status"] = "status"
     run_id: RunId
     learner: ScalarMap
-    peers: Annotated[list[ScalarMap], Field(max_length=4096)]
+    peers: Annotated[list[ScalarMap], Field(max_length=limits.MAX_STATUS_PAGE)]
+    next_cursor: Count | None = None
+    total_peers: Count | None = None
 
 
 class Error(Message):
@@ -394,13 +406,17 @@ class CatchUpRequest(Message):
     have_version: Version  # -1: nothing
 
 
-class CatchUp(Message):
+class CatchUp(Message, OptionalFieldsModel):
     """The newest full snapshot's manifest and every delta after it (or only the deltas after
-    ``have_version`` when the requester holds a version of the chain), oldest first."""
+    ``have_version`` when the requester holds a version of the chain), oldest first: one page of
+    them: the first manifest, then more while the page stays within ``limits.CATCHUP_PAGE_BYTES``.
+    ``more``: the holder has newer ones; ask again with ``have_version`` = the last one applied."""
 
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("more",)
     type: Literal["catch_up"] = "catch_up"
     run_id: RunId
     manifests: Annotated[list[Manifest], Field(max_length=256)]
+    more: bool | None = None
 
 
 class StreamTicket(Message):

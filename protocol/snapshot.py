@@ -48,12 +48,26 @@ class TensorSlice:
 
 def parse_safetensors(data: bytes | memoryview) -> tuple[int, list[TensorSlice]]:
     """Validate a safetensors file's header; return (data offset, tensors in file order)."""
-    view = memoryview(data)
-    if len(view) < 8:
+    return parse_header(data, len(data))
+
+
+def header_length(first8: bytes | memoryview, total: int) -> int:
+    """Bytes of the header after the 8-byte length of a ``total``-byte safetensors file."""
+    if len(first8) < 8 or total < 8:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, "safetensors file shorter than its header length")
-    (header_len,) = struct.unpack("<Q", view[:8])
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > len(view):
+    (header_len,) = struct.unpack("<Q", first8[:8])
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > total:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, "safetensors header length out of range")
+    return header_len
+
+
+def parse_header(head: bytes | memoryview, total: int) -> tuple[int, list[TensorSlice]]:
+    """``parse_safetensors`` from the file's first bytes (at least the header) and its size:
+    what a file on disk is checked with without reading its tensors."""
+    view = memoryview(head)
+    header_len = header_length(view, total)
+    if 8 + header_len > len(view):
+        raise ProtocolError(ErrorCode.BAD_MANIFEST, "safetensors header cut short")
     try:
         header = json.loads(bytes(view[8 : 8 + header_len]))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -65,7 +79,7 @@ def parse_safetensors(data: bytes | memoryview) -> tuple[int, list[TensorSlice]]
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        tensors.append(_tensor_slice(name, info, base, len(view)))
+        tensors.append(_tensor_slice(name, info, base, total))
     tensors.sort(key=lambda t: t.start)
     return base, tensors
 
@@ -99,10 +113,15 @@ def tensor_entries(data: bytes | memoryview) -> list[TensorEntry]:
 
 
 def split_chunks(payload: bytes, chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES) -> list[bytes]:
+    return [bytes(v) for v in chunk_views(payload, chunk_bytes)]
+
+
+def chunk_views(payload: bytes | memoryview, chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES) -> list[memoryview]:
+    """``payload`` cut at ``chunk_bytes``, as views (no copy: a large payload is not doubled)."""
     if not 1 <= chunk_bytes <= limits.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size must be in [1, {limits.MAX_CHUNK_BYTES}]")
     view = memoryview(payload)
-    return [bytes(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
+    return [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
 
 
 def build_manifest(
@@ -116,10 +135,10 @@ def build_manifest(
     kind: str = "full",
     base_version: int = -1,
     chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES,
-) -> tuple[Manifest, list[bytes]]:
-    """Cut ``payload`` into chunks and sign a manifest for it. ``result`` is the version's
-    safetensors file (equal to ``payload`` for a full version)."""
-    chunks = split_chunks(payload, chunk_bytes)
+) -> tuple[Manifest, list[memoryview]]:
+    """Cut ``payload`` into chunks (views into it) and sign a manifest for it. ``result`` is the
+    version's safetensors file (equal to ``payload`` for a full version)."""
+    chunks = chunk_views(payload, chunk_bytes)
     manifest = Manifest(
         run_id=run_id,
         learner_peer_id=identity.peer_id,
@@ -136,6 +155,13 @@ def build_manifest(
         created_at=time.time(),
     )
     return sign(manifest, identity), chunks
+
+
+def manifest_wire_bytes(manifest: Manifest) -> int:
+    """An upper bound of ``len(wire.encode(manifest))`` without encoding it (paging decisions):
+    ≤ 52 bytes per chunk reference, a tensor entry's name, dims and digest, and a fixed rest."""
+    tensors = sum(len(t.name.encode()) + len(t.dtype) + 9 * len(t.shape) + 64 for t in manifest.tensors)
+    return 52 * len(manifest.chunks) + tensors + 1024
 
 
 def verify_manifest(manifest: Manifest, learner_peer_id: str, run_id: str | None = None) -> None:
@@ -225,6 +251,15 @@ def state_dict_to_safetensors(state_dict: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
     return save({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()})
+
+
+def safetensors_file_to_state_dict(path: Any) -> dict[str, Any]:
+    """A state dict from a safetensors file, read one tensor at a time (``safe_open``): the
+    file's bytes are never in memory at once beside the tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def safetensors_to_state_dict(data: bytes) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def test_in_process_broadcast_full_and_delta(direct, shape):
                 relays = []
                 for h in hosts:
                     def cb(v, data, pid=h.peer_id):
-                        got[pid].append((v, hashlib.sha256(data).hexdigest()))
+                        got[pid].append((v, hashlib.sha256(data.read_bytes()).hexdigest()))
                     r = Relay(h, li.peer_id, "r", on_version=cb, direct=direct)
                     r.install()
                     nursery.start_soon(r.run)

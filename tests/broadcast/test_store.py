@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,8 +65,9 @@ def test_learner_holds_a_published_version_once():
     trio.run(main)
 
 
-def _chain_of(kinds: str, retain: int) -> tuple[HeldChain, list[bytes]]:
-    """A chain held the way the learner holds it: version i is full ("f") or a delta ("d")."""
+def _chain_of(kinds: str, retain: int, where: Path) -> tuple[HeldChain, list[bytes]]:
+    """A chain held the way the learner holds it: version i is full ("f") or a delta ("d"),
+    each payload a file in ``where``."""
     learner = Identity.generate()
     chain, files = HeldChain(retain), []
     for v, kind in enumerate(kinds):
@@ -74,24 +76,26 @@ def _chain_of(kinds: str, retain: int) -> tuple[HeldChain, list[bytes]]:
         manifest, chunks = snapshot.build_manifest(
             learner, "r", v, v - 1, payload, new, kind="full" if kind == "f" else "delta",
             base_version=-1 if kind == "f" else v - 1, chunk_bytes=4096)
-        chain.hold(manifest, {ref.digest: c for ref, c in zip(manifest.chunks, chunks)})
+        path = where / f"v{v}-{retain}.payload"
+        path.write_bytes(payload)
+        chain.hold(manifest, path)
         files.append(new)
     return chain, files
 
 
-def test_chain_keeps_versions_within_retain_and_serves_the_newest_run():
-    chain, files = _chain_of("fdfd", retain=2)
-    assert [m.version for m, _ in chain.entries] == [0, 1, 2, 3]  # v1 is within 2 of v3
+def test_chain_keeps_versions_within_retain_and_serves_the_newest_run(tmp_path):
+    chain, files = _chain_of("fdfd", retain=2, where=tmp_path)
+    assert [e[0].version for e in chain.entries] == [0, 1, 2, 3]  # v1 is within 2 of v3
     assert chain.version_bytes(1) == files[1] and chain.version_bytes(3) == files[3]
     assert [m.version for m in chain.newest_run()] == [2, 3]  # catch-up: newest full + deltas
 
-    chain, files = _chain_of("fdfdf", retain=2)
-    assert [m.version for m, _ in chain.entries] == [2, 3, 4]
+    chain, files = _chain_of("fdfdf", retain=2, where=tmp_path)
+    assert [e[0].version for e in chain.entries] == [2, 3, 4]
     assert chain.version_bytes(1) is None and chain.version_bytes(3) == files[3]
     assert [m.version for m in chain.newest_run()] == [4]
 
-    relay_chain, _ = _chain_of("fdfd", retain=0)  # a relay keeps only the newest run
-    assert [m.version for m, _ in relay_chain.entries] == [2, 3]
+    relay_chain, _ = _chain_of("fdfd", retain=0, where=tmp_path)  # a relay keeps only the newest run
+    assert [e[0].version for e in relay_chain.entries] == [2, 3]
 
 
 def test_catch_up_and_direct_fetch_come_from_the_learners_one_store():

@@ -112,3 +112,36 @@ def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() ->
         with pytest.raises(ValueError, match="service state"):
             fresh.load_state_dict(junk)
         assert fresh.remembered_addrs == {} and fresh.mismatches == {}
+
+
+def test_status_is_paged_with_a_cursor() -> None:
+    """``Status`` holds one page of peers and where the next starts; following the cursor lists
+    every peer once, and the last page has no cursor."""
+    from echorl.protocol import wire
+    from echorl.protocol.messages import Status, StatusRequest
+    from echorl.tasks import load_task
+
+    task = load_task("addition", digits=2, seed=0)
+    svc = LearnerService(Identity.generate(), "run-1", task, tokenizer=None,
+                         buffer=StalenessBuffer(4, scorer=task.reward), policy=LeasePolicy(), vocab_size=100)
+    ids = [Identity.generate().peer_id for _ in range(7)]
+    for pid in ids:
+        svc.peers[pid] = _record(pid, quiet_for_s=0.0)
+
+    async def page(cursor: int, limit: int) -> Status:
+        req = wire.decode(wire.encode(StatusRequest(cursor=cursor, limit=limit)), expect=StatusRequest)
+        reply = await svc.on_status(req, None)
+        return wire.decode(wire.encode(reply), expect=Status)
+
+    async def main() -> None:
+        seen, cursor, pages = [], 0, 0
+        while cursor is not None:
+            st = await page(cursor, 3)
+            assert len(st.peers) <= 3 and st.total_peers == 7
+            seen += [p["peer_id"] for p in st.peers]
+            cursor, pages = st.next_cursor, pages + 1
+        assert seen == ids and pages == 3
+        whole = await svc.on_status(StatusRequest(), None)  # no cursor: the first page
+        assert len(whole.peers) == 7 and whole.next_cursor is None
+
+    trio.run(main)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,19 @@ def _weights(seed: int) -> bytes:
     return snapshot.state_dict_to_safetensors({"a": torch.randn(64, 32, generator=g), "b": torch.randn(7, generator=g)})
 
 
+_SRC = Path(tempfile.mkdtemp(prefix="echorl-test-snap-"))  # where a relay's store would hold the files
+
+
+def _file(data: bytes) -> Path:
+    path = _SRC / f"{len(list(_SRC.iterdir()))}.safetensors"
+    path.write_bytes(data)
+    return path
+
+
 def _snap(learner: Identity, version: int = 3, seed: int = 0, run_id: str = RUN) -> Snapshot:
     data = _weights(seed)
     manifest, _ = snapshot.build_manifest(learner, run_id, version, version - 1, data, data, chunk_bytes=4096)
-    return Snapshot(manifest, data)
+    return Snapshot(manifest, _file(data))
 
 
 def _files(d: Path) -> list[str]:
@@ -41,7 +51,9 @@ def _files(d: Path) -> list[str]:
 
 def test_write_then_load_verified(tmp_path):
     learner = Identity.generate()
-    write_snapshot(tmp_path, _snap(learner, 3, seed=0), learner.peer_id, RUN)
+    first = _snap(learner, 3, seed=0)
+    write_snapshot(tmp_path, first, learner.peer_id, RUN)
+    assert (tmp_path / "v3.safetensors").stat().st_ino == first.path.stat().st_ino  # a link, not a copy
     write_snapshot(tmp_path, _snap(learner, 5, seed=1), learner.peer_id, RUN)
     assert _files(tmp_path) == ["v5.manifest", "v5.safetensors"]  # only the newest is kept
     got = load_snapshot(tmp_path, learner.peer_id, RUN)
@@ -54,11 +66,11 @@ def test_delta_manifest_keeps_the_result(tmp_path):
     old, new = _weights(0), _weights(1)
     payload = delta.encode_delta(old, new)
     manifest, _ = snapshot.build_manifest(learner, RUN, 4, 3, payload, new, kind="delta", base_version=3)
-    write_snapshot(tmp_path, Snapshot(manifest, new), learner.peer_id, RUN)
+    write_snapshot(tmp_path, Snapshot(manifest, _file(new)), learner.peer_id, RUN)
     got = load_snapshot(tmp_path, learner.peer_id, RUN)
     assert got is not None and got.version == 4 and got.data == new and got.manifest.kind == "delta"
     with pytest.raises(ProtocolError):  # the delta payload is not the version's file
-        write_snapshot(tmp_path, Snapshot(manifest, payload), learner.peer_id, RUN)
+        write_snapshot(tmp_path, Snapshot(manifest, _file(payload)), learner.peer_id, RUN)
 
 
 def test_flipped_byte_is_refused_and_discarded(tmp_path, caplog):
@@ -105,13 +117,13 @@ def test_keeper_writes_newest_and_flushes(tmp_path):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(keeper.run)
             first = _snap(learner, 1, seed=1)
-            keeper.offer(first.manifest, first.data, learner.peer_id)
+            await keeper.offer(first.manifest, first.path, learner.peer_id)
             with trio.fail_after(10):
                 while keeper.written != 1:
                     await trio.sleep(0.01)
             for v in (2, 3):  # inside the interval: held back, only the newest is pending
                 s = _snap(learner, v, seed=v)
-                keeper.offer(s.manifest, s.data, learner.peer_id)
+                await keeper.offer(s.manifest, s.path, learner.peer_id)
             await trio.sleep(0.2)
             assert keeper.written == 1 and keeper.writes == 1
             await keeper.flush()
