@@ -192,12 +192,16 @@ async def main(cfg: NodeConfig) -> None:
     from echorl.net.membership import Membership
     from echorl.metrics_sinks import open_sinks
     from echorl.node.receipts import ReceiptLog
-    from echorl.node.state import SnapshotKeeper, default_state_dir
+    from echorl.node.state import SnapshotKeeper, default_state_dir, lock_state_dir
     from echorl.node.versions import NodeWeights
     from echorl.net.transport import UploadLimiter
 
     identity = load_or_create_identity(cfg.key)
     state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else default_state_dir(cfg.key, cfg.run_id)
+    lock = lock_state_dir(state_dir)  # held until this process ends
+    if lock is None:
+        raise NodeExit(2, f"another node process with this key or state directory runs on this machine "
+                          f"({state_dir} is locked); give each node its own --key")
     backend, tps = await trio.to_thread.run_sync(_load_backend, cfg)
     log.info("node %s: %.0f tokens/s on %s (%s)", short_id(identity.peer_id), tps, cfg.device, cfg.dtype)
     import secrets

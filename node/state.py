@@ -35,6 +35,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import trio
 
@@ -76,6 +77,23 @@ def default_state_dir(key_path: str | os.PathLike[str], run_id: str) -> Path:
     safe_run = re.sub(r"[^A-Za-z0-9._-]", "_", run_id) or "run"
     safe_key = re.sub(r"[^A-Za-z0-9._-]", "_", key.stem) or "node"
     return key.parent / f"state-{safe_key}-{safe_run}"
+
+
+def lock_state_dir(state_dir: Path) -> IO[bytes] | None:
+    """Take the state directory for this process (an exclusive ``flock`` on ``state_dir/lock``,
+    released when the process ends, however it ends); None if another live process holds it.
+    Two processes with one key share one state directory, and the second would otherwise clean
+    the first one's store out from under it before the learner could refuse it."""
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    f = open(state_dir / "lock", "ab")  # noqa: SIM115 - held open for the process's lifetime
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
 
 
 def verify_snapshot(manifest: Manifest, path: Path, learner_peer_id: str, run_id: str) -> None:

@@ -176,3 +176,17 @@ def test_restarted_node_starts_from_disk(swarm, tmp_path):
     loads = re.search(r"versions loaded: \{'relay': (\d+), 'fetch': (\d+), 'disk': 1\}; "
                       rf"started from on-disk v{kept}\)", second)
     assert loads and int(loads.group(1)) >= 1 and int(loads.group(2)) == 0, second[-2000:]
+
+
+def test_state_dir_is_held_by_one_process_at_a_time(tmp_path):
+    """A second node with the same key would share the state directory and clean the first one's
+    store; the lock refuses it before it touches anything (found when a twin crashed its sibling)."""
+    from echorl.node.state import lock_state_dir
+
+    first = lock_state_dir(tmp_path / "state")
+    assert first is not None
+    assert lock_state_dir(tmp_path / "state") is None
+    first.close()  # the process ended
+    again = lock_state_dir(tmp_path / "state")
+    assert again is not None
+    again.close()
