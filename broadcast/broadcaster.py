@@ -1,4 +1,4 @@
-"""Log-depth pipelined weight broadcast (DESIGN §5, §6): the learner side and the shared core.
+"""Log-depth pipelined weight broadcast (architecture §5, §6): the learner side and the shared core.
 
 Integration contract
 --------------------
@@ -20,7 +20,7 @@ Learner (one per run)::
 ``publish`` builds the payload (a delta against the previous published version, a full snapshot
 every ``full_every`` versions or when the tensor layout changes), signs a manifest and a plan
 announcement, announces it to every node (direct small requests, not gossip: gossipsub drops
-silently, DESIGN §9), serves its stripe roots, and returns when every node reported the version
+silently, architecture §9), serves its stripe roots, and returns when every node reported the version
 verified or ``timeout`` passed. Nodes that did not answer the announce or never reported done
 are in ``report.missing``; parents that nodes reported (bad chunk, stall) are in
 ``report.suspects`` and become leaves (if they completed) or are dropped (if they did not) in

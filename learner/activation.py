@@ -1,4 +1,4 @@
-"""Cost-aware activation (DESIGN §7): which joined nodes get leases and which wait as standby.
+"""Cost-aware activation (architecture §7): which joined nodes get leases and which wait as standby.
 
 The overlap capacity model says the learner never waits when Σμ_i ≥ κR / (κ·T_train − T_bcast).
 Leasing work to more nodes than that buys nothing but cost, so with ``--activation cost`` the

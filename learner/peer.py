@@ -7,7 +7,7 @@ version (``publish_every``) goes out through the pipelined broadcast (``broadcas
 deltas, a full snapshot every ``full_every`` publications) from a publication task that runs
 beside training; the broadcaster's one chunk store also serves catch-up and the nodes' direct
 fetch. Each step's metrics go to ``--metrics-out`` (JSON lines), including the
-newest completed broadcast and the provisioning rule of DESIGN §7:
+newest completed broadcast and the provisioning rule of architecture §7:
 required Σμ = κR / (κ·T_train − T_bcast) vs measured Σμ_i.
 
 A ``--spot-check-fraction`` of submissions (default 0.1) has its behaviour log-probs recomputed

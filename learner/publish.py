@@ -1,5 +1,5 @@
 """The learner's publication task: broadcasts the newest trained version to the joined nodes
-while training goes on (DESIGN §6–7); the broadcaster's store then holds it for catch-up, the
+while training goes on (architecture §6–7); the broadcaster's store then holds it for catch-up, the
 nodes' direct fetch and spot checks.
 
 The training loop only *offers* a version (a detached copy of the weights, every κ steps); this

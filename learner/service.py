@@ -22,7 +22,7 @@ leases are expired (prompts re-queued) and every later lease request is refused 
 ``logprob_mismatch``. Flags and bans are kept by peer ID across re-joins and, through the
 learner's checkpoint (``learner/resume.py``), across a learner restart with ``--resume``.
 
-Cost-aware activation (``policy.activation == "cost"``, DESIGN §7): see ``learner/activation.py``;
+Cost-aware activation (``policy.activation == "cost"``, architecture §7): see ``learner/activation.py``;
 standby nodes' lease requests are answered ``lease_deferred`` / ``standby``.
 """
 
@@ -371,7 +371,7 @@ class LearnerService(Policing):
         return [NodeInfo(p.peer_id, bool(p.capability.reachable), tuple(p.capability.listen_addrs))
                 for p in self.active_peers(window_s)]
 
-    # --- cost-aware activation (DESIGN §7) ---------------------------------------------------
+    # --- cost-aware activation (architecture §7) ---------------------------------------------------
     def is_standby(self, peer_id: str) -> bool:
         """True if the current decision parks this peer (only with ``activation == "cost"``)."""
         return self.policy.activation == "cost" and self.activation is not None and peer_id in self.activation.standby

@@ -1,4 +1,4 @@
-"""Spot checks of behaviour log-probs (DESIGN §3): the learner recomputes, with the snapshot of
+"""Spot checks of behaviour log-probs (architecture §3): the learner recomputes, with the snapshot of
 the version a node claims, the per-token log-probs of a submission's completions and compares
 them with the log-probs the node returned. A mismatch beyond tolerance means the node did not
 sample from that version (or forged the numbers the clipped ratio π_θ/π_b is computed from);

@@ -1,7 +1,7 @@
 """The learner peer's side of the shared training loop (``learner/loop.py``): building it from a
 ``LearnerConfig``, network rollouts as its :class:`~echorl.learner.loop.RolloutSource` (groups
 arrive through ``LearnerService``, versions leave through the ``Publisher``, which never makes
-training wait), and the provisioning rule of DESIGN §7 with its metrics."""
+training wait), and the provisioning rule of architecture §7 with its metrics."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def sampling_spec(loop: TrainingLoop) -> SamplingSpec:
 
 
 class Provisioning:
-    """DESIGN §7: T_train and T_bcast (EMAs) and the throughput Σμ the nodes must supply."""
+    """architecture §7: T_train and T_bcast (EMAs) and the throughput Σμ the nodes must supply."""
 
     def __init__(self, loop: TrainingLoop) -> None:
         self.loop = loop

@@ -9,7 +9,7 @@
   written in slices of ``SLICE_BYTES``, each slice paid for in the limiter, so concurrent
   children of one parent interleave fairly instead of one child getting a whole chunk first.
 * ``serve_raw``: installs a raw libp2p stream handler that nothing can escape (an exception in
-  a py-libp2p stream handler takes the whole host down, DESIGN §9).
+  a py-libp2p stream handler takes the whole host down, architecture §9).
 
 Every read and write has a deadline.
 """
@@ -134,7 +134,7 @@ class _Libp2pSource:
 
 class Libp2pTransport:
     """Chunk streams over the host's libp2p connections (Noise + yamux): works through NAT
-    (children dial parents), costs ~16 CPU-s per GB on both ends together (DESIGN §9)."""
+    (children dial parents), costs ~16 CPU-s per GB on both ends together (architecture §9)."""
 
     def __init__(self, host: Host, protocol: str, limiter: UploadLimiter, io_timeout: float = 15.0) -> None:
         self.host = host

@@ -348,7 +348,7 @@ class PlanMember(WireModel):
 
 class PlanAnnounce(Message):
     """Learner → every node of a broadcast: the signed manifest of ``version`` and the members
-    from which every node computes the same relay plan (``shape``: "striped" = DESIGN §6
+    from which every node computes the same relay plan (``shape``: "striped" = architecture §6
     SplitStream plan, "tree" = one k-ary tree, "star" = everyone fetches from the learner).
     Signed by the learner, so a relay cannot redirect traffic or change the plan."""
 

@@ -1,4 +1,4 @@
-"""Broadcast planning: who relays which chunks of a version to whom (DESIGN §6).
+"""Broadcast planning: who relays which chunks of a version to whom (architecture §6).
 
 ``plan_broadcast`` is a pure, deterministic function of (learner, peers with reachability,
 fan-out k, seed). It builds ``k`` stripes (SplitStream-style): chunk ``i`` travels down stripe

@@ -1,4 +1,4 @@
-"""Cost-aware activation (DESIGN §7, learner/activation.py) and its use by the learner's lease
+"""Cost-aware activation (architecture §7, learner/activation.py) and its use by the learner's lease
 handler: the pure policy, and ``on_lease`` deferring a standby node — no network."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Behaviour log-prob spot checks (DESIGN §3, learner/spot_check.py).
+"""Behaviour log-prob spot checks (architecture §3, learner/spot_check.py).
 
 In process: a group sampled by the real TorchBackend from the tiny untrained model passes the
 check against its own version; the same group with log-probs shifted by +0.3, or checked against
