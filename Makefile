@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/echorl demo --nodes 3 --steps 300 --staleness 4 --metrics-out runs/demo-metrics.jsonl
+	$(BIN)/echorl demo --nodes 3 --steps 700 --staleness 4 --metrics-out runs/demo-metrics.jsonl
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
