@@ -1,6 +1,7 @@
 """Where a metrics row goes besides the JSONL file: Prometheus ``/metrics`` and TensorBoard.
 
-One place computes a row (the learner's ``Trainer._row``, the node's ``NodeState.row``); these
+One place computes a row (``TrainingLoop._row`` plus its rollout source's ``metrics()``, and the
+node's ``NodeState.row``); these
 are sinks only: ``write(row)`` keeps or logs it, nothing is recomputed. The Prometheus exporter
 keeps the newest value of every documented key (a key missing from a row, like ``eval_reward``
 between evaluations, keeps its last value) and builds the metric families at scrape time in
