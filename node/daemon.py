@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         config.fail("node", exc)
         return 2
     log.info("node device: %s, engine %s", device, cfg.engine)
+    signal.signal(signal.SIGTERM, _outside_trio_signal)  # trio's receiver restores this on exit
     try:
         trio.run(main, cfg)
     except KeyboardInterrupt:
@@ -231,6 +232,7 @@ async def main(cfg: NodeConfig) -> None:
                     await _work_forever(host, cfg, state, cap, nursery)
                 except NodeExit as exc:
                     fatal = exc
+            _Shutdown.draining = True  # from here on the node is leaving, signal or not
             await _return_lease(host, state)
             with trio.move_on_after(120):
                 await state.weights.flush()  # the newest version on disk before we go
@@ -248,10 +250,26 @@ async def main(cfg: NodeConfig) -> None:
         raise fatal
 
 
+class _Shutdown:
+    """Set once the node is leaving: a SIGTERM that lands after the signal receiver closed (while
+    leases are returned, the snapshot flushed, the host closed) is then ignored instead of killing
+    the process mid-cleanup with the default action."""
+
+    draining = False
+
+
+def _outside_trio_signal(signum: int, frame: Any) -> None:
+    """SIGTERM while no receiver listens: before start-up finished it stops the node like
+    Ctrl-C; once the node is leaving anyway it changes nothing."""
+    if not _Shutdown.draining:
+        raise KeyboardInterrupt
+
+
 async def _wait_signal(stop: trio.Event) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for sig in signals:
             log.info("signal %s: returning leases and exiting", signal.Signals(sig).name)
+            _Shutdown.draining = True
             stop.set()
             return
 
