@@ -12,7 +12,7 @@ import time
 from netlab import PREFIX, Lab, lab_namespaces, unavailable
 from swarm import ENV
 
-STEPS = 8
+STEPS = 60  # long enough that every node joins before the run ends (8 raced on a fast machine)
 
 
 def echorl(*args: str) -> list[str]:
