@@ -7,7 +7,7 @@ policy; ``--no-off-policy-correction`` takes the ratio against the current polic
 
 Every run uses the same steps, data (prompt order from ``--seed``) and start model; it reports
 the final held-out ``eval_reward`` (mean, min, max over seeds), optimizer steps per second and
-the learner busy fraction (``learner_busy_frac``: time in ``train_step`` + publishing over the
+the learner busy fraction (``busy_fraction``: time in ``train_step`` + publishing over the
 wall time since the first rollout, held-out evaluation excluded). One JSON line per
 (S, correction), each with the S = 0 run of the same correction as its baseline (measured in the
 same invocation; S = 0 is always run). ``--metrics-dir`` keeps every run's metrics JSONL (for the
@@ -49,7 +49,7 @@ def run_one(s: int, seed: int, correction: bool, args: argparse.Namespace, out: 
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     last = rows[-1]
     return {"eval_first": rows[0]["eval_reward"], "eval_final": last["eval_reward"],
-            "steps_per_s": last["step"] / max(1e-9, last["seconds"]), "busy": last["learner_busy_frac"],
+            "steps_per_s": last["step"] / max(1e-9, last["elapsed_s"]), "busy": last["busy_fraction"],
             "wall_s": time.perf_counter() - t0,
             "cpu_s": (r1.children_user + r1.children_system) - (r0.children_user + r0.children_system)}
 
@@ -59,7 +59,7 @@ def summarise(runs: list[dict]) -> dict:
     return {"eval_final_mean": round(mean(finals), 4), "eval_final_min": round(min(finals), 4),
             "eval_final_max": round(max(finals), 4), "eval_first_mean": round(mean(r["eval_first"] for r in runs), 4),
             "steps_per_s": round(mean(r["steps_per_s"] for r in runs), 3),
-            "learner_busy_frac": round(mean(r["busy"] for r in runs), 3),
+            "busy_fraction": round(mean(r["busy"] for r in runs), 3),
             "wall_s": round(sum(r["wall_s"] for r in runs), 1), "cpu_s": round(sum(r["cpu_s"] for r in runs), 1)}
 
 
