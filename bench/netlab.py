@@ -68,6 +68,7 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                 await trio.sleep(0.5)
                 data = fake_safetensors(size, 1)
                 before = tx_bytes()
+                print(json.dumps({"event": "publishing", "t0": time.time()}), flush=True)
                 tree = await bc.publish(2, data, nodes)
                 sent = tx_bytes() - before
                 print(json.dumps({"event": "result", "tree_seconds": tree.seconds, "bytes": len(data),
@@ -79,6 +80,20 @@ def broadcaster_main(args: argparse.Namespace) -> None:
 
 
 # --- the parent side, in the root namespace ---------------------------------------------------
+def broadcaster_argv(args: argparse.Namespace) -> list[str]:
+    """This script as the learner-side broadcaster (``broadcaster_main``) with ``args``' settings."""
+    return [sys.executable, str(Path(__file__).resolve()), "--_broadcaster", "--size-mb", str(args.size_mb),
+            "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout),
+            *(["--no-direct"] if args.no_direct else [])]
+
+
+def relay_argv(learner_addr: str, no_direct: bool = False) -> list[str]:
+    """A ``broadcast/relay_process.py`` node that dials the learner (as a joining node does)."""
+    return [sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", learner_addr, "--run-id", "bench",
+            "--listen", "/ip4/0.0.0.0/tcp/0", "--stall-s", "30", "--dial-learner",
+            *(["--no-direct"] if no_direct else [])]
+
+
 def _json_line(proc: subprocess.Popen, event: str, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     for line in proc.stdout:  # type: ignore[union-attr]
@@ -97,16 +112,13 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
     learner = lab.add_peer("learner")
     peers = [lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}")
              for i in range(args.nodes)]
-    me = [sys.executable, str(Path(__file__).resolve()), "--_broadcaster", "--size-mb", str(args.size_mb),
-          "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout)]
-    bc = subprocess.Popen(learner.cmd(*me), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    bc = subprocess.Popen(learner.cmd(*broadcaster_argv(args)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, env=ENV)
     learner.procs.append(bc)
     addr = _json_line(bc, "ready", 120)["addr"]
     relays = []
     for p in peers:
-        proc = subprocess.Popen(p.cmd(sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", addr,
-                                      "--run-id", "bench", "--listen", "/ip4/0.0.0.0/tcp/0",
-                                      "--stall-s", "30", "--dial-learner"),
+        proc = subprocess.Popen(p.cmd(*relay_argv(addr, args.no_direct)),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, env=ENV)
         p.procs.append(proc)
@@ -195,6 +207,7 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=8.0)
     ap.add_argument("--fanout", type=int, default=4)
     ap.add_argument("--chunk-kb", type=float, default=256.0)
+    ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only (no direct TCP)")
     ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=1800.0)
