@@ -84,13 +84,13 @@ def broadcaster_argv(args: argparse.Namespace) -> list[str]:
     """This script as the learner-side broadcaster (``broadcaster_main``) with ``args``' settings."""
     return [sys.executable, str(Path(__file__).resolve()), "--_broadcaster", "--size-mb", str(args.size_mb),
             "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout),
-            *(["--no-direct"] if args.no_direct else [])]
+            *(["--no-direct"] if args.no_direct else []), "--pace-mbps", str(args.pace_mbps)]
 
 
-def relay_argv(learner_addr: str, no_direct: bool = False) -> list[str]:
+def relay_argv(learner_addr: str, no_direct: bool = False, pace_mbps: float = 0.0) -> list[str]:
     """A ``broadcast/relay_process.py`` node that dials the learner (as a joining node does)."""
     return [sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", learner_addr, "--run-id", "bench",
-            "--listen", "/ip4/0.0.0.0/tcp/0", "--stall-s", "30", "--dial-learner",
+            "--listen", "/ip4/0.0.0.0/tcp/0", "--stall-s", "30", "--dial-learner", "--upload-mbps", str(pace_mbps),
             *(["--no-direct"] if no_direct else [])]
 
 
@@ -118,7 +118,7 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
     addr = _json_line(bc, "ready", 120)["addr"]
     relays = []
     for p in peers:
-        proc = subprocess.Popen(p.cmd(*relay_argv(addr, args.no_direct)),
+        proc = subprocess.Popen(p.cmd(*relay_argv(addr, args.no_direct, args.pace_mbps)),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, env=ENV)
         p.procs.append(proc)
@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--fanout", type=int, default=4)
     ap.add_argument("--chunk-kb", type=float, default=256.0)
     ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only (no direct TCP)")
+    ap.add_argument("--pace-mbps", type=float, default=0.0,
+                    help="every peer's own upload limiter (0: none, the link alone limits)")
     ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=1800.0)

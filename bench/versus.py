@@ -84,6 +84,7 @@ class Trial:
         self.tx0 = 0
         self.cpu0 = 0.0
         self.victims_killed: set[str] = set()
+        self.exited: set[str] = set()
 
     # --- processes -----------------------------------------------------------------------------
     def spawn(self, name: str, peer: object, argv: list[str]) -> subprocess.Popen:
@@ -136,6 +137,8 @@ class Trial:
         event = obj.get("event")
         if event == "version" and obj.get("version") == 2:  # an echorl relay: the timed version
             event = "done"
+        if event == "exit":
+            self.exited.add(name)
         if event == "done" and name not in self.done:
             self.done[name] = obj
         elif event in ("start", "publishing"):  # an origin, or echorl's broadcaster, begins
@@ -184,7 +187,7 @@ class Trial:
         """Wait until every receiver still alive holds a copy (or the deadline); then the row."""
         deadline = time.monotonic() + self.args.timeout
         while time.monotonic() < deadline:
-            alive = [n for n in receivers if n not in self.victims_killed]
+            alive = [n for n in receivers if n not in self.victims_killed and n not in self.exited]
             if all(n in self.done for n in alive) and (self.args.churn == 0 or self.victims_killed):
                 break
             try:
@@ -216,12 +219,12 @@ class Trial:
 # --- the systems ----------------------------------------------------------------------------------
 def run_echorl(t: Trial, direct: bool) -> dict:
     a = argparse.Namespace(size_mb=t.args.size_mb, fanout=t.args.fanout, chunk_kb=t.args.chunk_kb,
-                           timeout=t.args.timeout, no_direct=not direct)
+                           timeout=t.args.timeout, no_direct=not direct, pace_mbps=t.args.pace_mbps)
     t.spawn("origin", t.origin, broadcaster_argv(a))
     addr = t.expect({"origin"}, "ready", 120)["origin"]["addr"]
     names = [r.name for r in t.receivers]
     for r in t.receivers:
-        t.spawn(r.name, r, relay_argv(addr, not direct))
+        t.spawn(r.name, r, relay_argv(addr, not direct, t.args.pace_mbps))
     ready = t.expect(set(names), "ready", 120)
     t.send("origin", json.dumps([{"peer_id": ready[n]["peer_id"], "addrs": ready[n]["addrs"], "reachable": True}
                                  for n in names]))
@@ -271,11 +274,11 @@ def run_lattica(t: Trial, block_bytes: int, concurrency: int) -> dict:
                                  "--ip", t.origin.ip, "--dir", str(t.work / "origin"),
                                  "--block-bytes", str(block_bytes)])
     addr = t.expect({"origin"}, "ready", 120)["origin"]["addr"]
-    names = [r.name for r in t.receivers]
-    for i, r in enumerate(t.receivers):
-        t.spawn(r.name, r, [*PEERS, "lat-recv", "--bootstrap", addr, "--dir", str(t.work / r.name),
-                            "--concurrency", str(concurrency), "--seed", str(i)])
-    t.expect(set(names), "ready", 120)
+    names, addrs = [r.name for r in t.receivers], [addr]
+    for i, r in enumerate(t.receivers):  # one at a time: each bootstraps with every peer before it
+        t.spawn(r.name, r, [*PEERS, "lat-recv", "--bootstrap", ",".join(addrs), "--dir", str(t.work / r.name),
+                            "--ip", r.ip, "--port", str(PORT), "--concurrency", str(concurrency), "--seed", str(i)])
+        addrs.append(t.expect({r.name}, "ready", 120)[r.name]["addr"])
     time.sleep(2.0)  # Kademlia bootstrap: the receivers find each other through the origin
     t.mark()
     t.send("origin", "go")
@@ -318,6 +321,7 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--fanout", type=int, default=4, help="echorl: plan fanout")
     ap.add_argument("--chunk-kb", type=float, default=256.0, help="echorl: chunk size")
+    ap.add_argument("--pace-mbps", type=float, default=0.0, help="echorl: every peer's own upload limiter (0: none)")
     ap.add_argument("--lattica", default="1024:8,4096:4",
                     help="settings BLOCK_KB:CONCURRENCY, comma-separated (each is one trial)")
     ap.add_argument("--shardcast", default="sqrt:4,2:50",

@@ -139,12 +139,12 @@ def sc_client(args: argparse.Namespace) -> None:
 
     client = ClientNode([f"http://{m}:{args.port}" for m in args.middles.split(",")], args.dir)
     emit(event="ready")
-    while "v1" not in client.list_available_versions():
-        time.sleep(0.2)
-    out = client.download_version("v1", str(Path(args.dir) / "copy.bin"))
-    if out is None:
-        emit(event="failed")
-        return
+    out = None
+    while out is None:  # as a user would: the version is listed once the middle node has it; retry
+        if "v1" in client.list_available_versions():
+            out = client.download_version("v1", str(Path(args.dir) / "copy.bin"))
+        if out is None:
+            time.sleep(0.2)
     emit(event="done", t=time.time(), digest=sha256_file(Path(out)))
 
 
@@ -170,8 +170,10 @@ def lat_origin(args: argparse.Namespace) -> None:
 
 
 def lat_recv(args: argparse.Namespace) -> None:
-    node = _lattica(0, [args.bootstrap], Path(args.dir))
-    emit(event="ready", peer_id=node.peer_id())
+    """``--bootstrap``: the origin and every receiver started before this one, so each receiver
+    is connected to all the others and bitswap can ask them all for a block."""
+    node = _lattica(args.port, args.bootstrap.split(","), Path(args.dir))
+    emit(event="ready", addr=f"/ip4/{args.ip}/tcp/{args.port}/p2p/{node.peer_id()}")
     cids: list[str] = json.loads(sys.stdin.readline())
     order = list(range(len(cids)))
     random.Random(args.seed).shuffle(order)  # receivers ask for different blocks first, so they can trade
