@@ -211,9 +211,14 @@ class Trial:
                 "bad_digests": sum(1 for n, d in self.done.items() if d.get("digest") != self.args.digest)}
 
     def close(self, keep_logs: bool) -> None:
+        """Tear the lab down; a failed or incomplete trial's logs are kept (path on stderr)."""
         self.lab.close()
-        if not keep_logs:
-            shutil.rmtree(self.work, ignore_errors=True)
+        if keep_logs:
+            kept = Path(tempfile.mkdtemp(prefix=f"versus-{self.system}-", dir="/var/tmp"))
+            for log in self.work.glob("*.log"):
+                shutil.copy(log, kept / log.name)
+            print(f"bench/versus.py: {self.system} {self.setting}: logs in {kept}", file=sys.stderr)
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 # --- the systems ----------------------------------------------------------------------------------
@@ -361,7 +366,7 @@ def main() -> None:
             except RuntimeError as exc:
                 row = {"system": system, "setting": setting, "error": str(exc)[:500]}
             finally:
-                t.close(keep_logs=args.keep_logs or "error" in row)
+                t.close(keep_logs=bool(args.keep_logs) or "error" in row or row.get("seconds") is None)
             emit(row, args.json)
 
 
