@@ -10,7 +10,9 @@ they start; a Lattica receiver reads the block list from stdin. Roles:
 - ``o2m-origin`` / ``o2m-recv``: one-to-many, the floor: the origin sends the file to every
   receiver over its own TCP connection, all at once.
 - ``sc-origin`` / ``sc-middle`` / ``sc-client``: Shardcast 0.3.2 through its own API
-  (``OriginServer.broadcast``, ``MiddleNode``, ``ClientNode.download_version``).
+  (``OriginServer.broadcast``, ``MiddleNode``, ``ClientNode.download_version``). Two fixed paths
+  it writes (``/tmp/dummy.bin``, ``site-packages/temp_distribution.txt``) are made private per
+  process, since here all its processes share one file system.
 - ``lat-origin`` / ``lat-recv``: Lattica 1.0.21: the origin ``put_block``s the payload in blocks;
   receivers ``get_block`` every block (bitswap: from whichever connected peer has it).
 
@@ -135,6 +137,16 @@ def sc_middle(args: argparse.Namespace) -> None:
 
 def sc_client(args: argparse.Namespace) -> None:
     private_tmp()
+    # its ClientNode writes the distribution file next to the installed package
+    # (site-packages/temp_distribution.txt): clients of one machine would race on it, so this
+    # one imports its own copy of the package from its own directory
+    import importlib.util
+    import shutil
+
+    origin = Path(importlib.util.find_spec("shardcast").origin).parent  # type: ignore[union-attr, arg-type]
+    private = Path(args.dir) / "pkg"
+    shutil.copytree(origin, private / "shardcast", dirs_exist_ok=True)
+    sys.path.insert(0, str(private))
     from shardcast import ClientNode
 
     client = ClientNode([f"http://{m}:{args.port}" for m in args.middles.split(",")], args.dir)
