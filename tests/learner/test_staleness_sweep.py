@@ -24,3 +24,12 @@ def test_sweep_prints_a_line_per_staleness_with_its_s0_baseline(tmp_path):
         assert 0.0 < r["busy_fraction"] <= 1.0
         assert r["baseline_S0_eval_final_mean"] == rows[0]["eval_final_mean"]
     assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == ["S0-seed0-corr.jsonl", "S2-seed0-corr.jsonl"]
+
+    out = tmp_path / "sweep.jsonl"
+    out.write_text(proc.stdout)
+    png = tmp_path / "sweep.png"
+    rep = subprocess.run([sys.executable, str(BENCH), "--report", str(out), "--plot", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    table = [line for line in rep.stdout.splitlines() if line.startswith("| 2 | on |")]
+    assert len(table) == 1 and png.stat().st_size > 10_000
