@@ -7,10 +7,11 @@ One learner process and ``--nodes`` honest node processes (``tests/swarm.py``) o
 tiny default model. For each attack class in turn: a clean window (no attack) of ``--window``
 seconds, then an attack window of the same length in which one hostile peer (or a crowd, for
 the Sybil flood and half-open connections) runs that class's attack in this process
-(``tests/hostile.py`` has the doubles). Measured per window from the learner's metrics rows:
-honest goodput (rollout groups of the honest nodes accepted, per second) and optimizer steps
-per second. The baseline is the clean window just before each attack window, in the same
-learner run, so a drift of the machine's load or of the run itself is shared by both.
+(``tests/hostile.py`` has the doubles), then the next clean window. Measured per window from the
+learner's metrics rows: honest goodput (rollout groups of the honest nodes accepted, per second)
+and optimizer steps per second. The baseline of an attack window is the mean of the clean
+windows just before and just after it, in the same learner run, so a drift of the machine's
+load or of the run itself (steps get faster as completions get shorter) is shared by both.
 
 One JSON line per class (``--json``): ``attack``, ``goodput_ratio`` and ``steps_ratio``
 (attack / clean), ``clean_goodput``, ``attack_goodput``, ``clean_steps_per_s``,
@@ -288,17 +289,21 @@ async def run(args: argparse.Namespace, swarm: Swarm, tmp: Path) -> list[dict[st
     target = Target(addr, addr.rsplit("/p2p/", 1)[1], honest)
     short = {short_id(p) for p in honest}
     out = []
+    before = await window(swarm, short, args.window, target, None)
     for name in names:
-        clean_g, clean_s, _ = await window(swarm, short, args.window, target, None)
         att_g, att_s, seen = await window(swarm, short, args.window, target, ATTACKS[name])
+        alive = swarm.learner.poll() is None
+        after = await window(swarm, short, args.window, target, None)
+        clean_g, clean_s = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
         out.append({"attack": name, "goodput_ratio": round(att_g / clean_g, 3) if clean_g else None,
                     "steps_ratio": round(att_s / clean_s, 3) if clean_s else None,
                     "clean_goodput": round(clean_g, 3), "attack_goodput": round(att_g, 3),
                     "clean_steps_per_s": round(clean_s, 3), "attack_steps_per_s": round(att_s, 3),
-                    "window_s": args.window, "learner_alive": swarm.learner.poll() is None,
+                    "window_s": args.window, "learner_alive": alive,
                     "attacker_saw": dict(seen.most_common(8)), "loadavg": [round(x, 2) for x in os.getloadavg()],
-                    "baseline": "clean window just before, same learner run", "nodes": args.nodes,
-                    "config": "small" if args.small else "defaults"})
+                    "baseline": "mean of the clean windows just before and just after, same learner run",
+                    "nodes": args.nodes, "config": "small" if args.small else "defaults"})
+        before = after
         if args.json:
             print(json.dumps(out[-1]), flush=True)
         else:
