@@ -20,4 +20,5 @@ RATES: dict[str, RateLimit] = {
     ids.CATCHUP: RateLimit(10.0, 30.0),
     ids.DONE: RateLimit(50.0, 200.0),
     ids.TICKET: RateLimit(50.0, 200.0),
+    ids.PUSH: RateLimit(50.0, 200.0),
 }

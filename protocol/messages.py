@@ -340,10 +340,15 @@ class Error(Message):
 
 
 # --- broadcast (broadcast/broadcaster.py, broadcast/relay.py) ---------------------------------------------
-class PlanMember(WireModel):
+class PlanMember(OptionalFieldsModel):
+    """``pushes``: not reachable, but may relay by dialling out to reachable children and
+    pushing its stripe to them (a node behind NAT); None = a leaf unless reachable."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("pushes",)
     peer_id: PeerId
     reachable: bool  # may be interior (others can dial it)
     addrs: Annotated[list[Text], Field(max_length=16)]  # where its children dial it
+    pushes: bool | None = None
 
 
 class PlanAnnounce(Message):

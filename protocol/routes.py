@@ -38,6 +38,9 @@ CHUNK = "/echorl/bcast/chunk/1"  # ChunkRequest -> Chunk, any holder (recovery, 
 CATCHUP = "/echorl/bcast/catchup/1"  # CatchUpRequest -> CatchUp, any holder
 DONE = "/echorl/bcast/done/1"  # BroadcastDone -> BroadcastAck, node -> learner
 TICKET = "/echorl/bcast/ticket/1"  # Subscribe -> StreamTicket (direct TCP chunk path)
+# a pushed edge (parent behind NAT, reachable child): the parent dials the child
+PUSH = "/echorl/bcast/push/1"  # Subscribe -> StreamTicket, parent -> child: push over direct TCP
+PUSH_STREAM = "/echorl/bcast/pushstream/1"  # raw: Subscribe, then Chunk frames; parent dials child
 
 ROUTES: dict[str, Route] = {r.id: r for r in (
     Route(JOIN, JoinRequest, 16 * limits.KiB),
@@ -51,4 +54,6 @@ ROUTES: dict[str, Route] = {r.id: r for r in (
     Route(CATCHUP, CatchUpRequest, 1 * limits.KiB),
     Route(DONE, BroadcastDone, 16 * limits.KiB),
     Route(TICKET, Subscribe, 1 * limits.KiB),
+    Route(PUSH, Subscribe, 1 * limits.KiB),
+    Route(PUSH_STREAM, Subscribe, 1 * limits.KiB),
 )}
