@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import limits
 from .messages import (
-    BroadcastDone, CatchUpRequest, ChunkRequest, JoinRequest, LeaseRequest, LeaseReturn, Message, PlanAnnounce,
+    BroadcastDone, CatchUpRequest, ChunkRequest, DialBackRequest, JoinRequest, LeaseRequest, LeaseReturn, Message, PlanAnnounce,
     StatusRequest, Submit, Subscribe,
 )
 
@@ -31,6 +31,7 @@ LEASE = "/echorl/lease/1"  # LeaseRequest -> Lease | LeaseDeferred | RunEnded (t
 SUBMIT = "/echorl/submit/1"  # Submit -> SubmitAccepted
 RETURN = "/echorl/return/1"  # LeaseReturn -> LeaseReturn (the lease ids re-queued)
 STATUS = "/echorl/status/1"  # StatusRequest -> Status
+DIALBACK = "/echorl/dialback/1"  # DialBackRequest -> DialBackResult (echorl doctor's reachability check)
 # weight plane (the learner and every relay serve the chunk routes from one store per version)
 ANNOUNCE = "/echorl/bcast/announce/1"  # PlanAnnounce -> BroadcastAck, learner -> node
 STREAM = "/echorl/bcast/stream/1"  # raw: Subscribe, then Chunk frames; child dials parent
@@ -48,6 +49,7 @@ ROUTES: dict[str, Route] = {r.id: r for r in (
     Route(SUBMIT, Submit, limits.MAX_FRAME_BYTES),
     Route(RETURN, LeaseReturn, 16 * limits.KiB),
     Route(STATUS, StatusRequest, 1 * limits.KiB),
+    Route(DIALBACK, DialBackRequest, 4 * limits.KiB),
     Route(ANNOUNCE, PlanAnnounce, limits.MAX_FRAME_BYTES),
     Route(STREAM, Subscribe, 1 * limits.KiB),
     Route(CHUNK, ChunkRequest, 1 * limits.KiB),

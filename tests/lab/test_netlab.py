@@ -85,3 +85,24 @@ def test_lab_leaves_nothing_behind():
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     assert "echorl_lab" not in tables
     assert not any(ns.startswith(PREFIX) and ns.split("-")[2] == names[0].split("-")[2] for ns in lab_namespaces())
+
+
+def test_doctor_tells_a_public_node_from_a_natted_one(lab: Lab, tmp_path):
+    """``echorl doctor`` from a public namespace: the learner dials it back (reachable); from
+    behind the NAT: not directly reachable, seen as the NAT's address."""
+    learner = lab.add_peer("learner")
+    public, natted = lab.add_peer("pub-1"), lab.add_peer("nat-1", nat=True)
+    addr_file, llog = tmp_path / "addr", tmp_path / "learner.log"
+    lp = lab.spawn(learner, echorl("learner", "--listen", "/ip4/0.0.0.0/tcp/4001", "--addr-file", str(addr_file),
+                                   "--steps", "0", "--checkpoint-dir", "none"), llog, env=ENV)
+    addr = _wait_file(addr_file, lp, llog)
+    rows = {}
+    for peer in (public, natted):
+        out = lab.run(peer, echorl("doctor", "--bootstrap", addr, "--key", str(tmp_path / "k"),
+                                   "--download-seconds", "1", "--json"), timeout=180, env=ENV)
+        rows[peer.name] = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    pub, nat = rows["pub-1"]["reachability"], rows["nat-1"]["reachability"]
+    assert pub["status"] == "pass" and f"dialled us back at {public.ip}" in pub["detail"], pub
+    assert nat["status"] == "warn" and "not directly reachable" in nat["detail"], nat
+    assert "seen as /ip4/198.18.0.254/" in nat["detail"], nat
+    assert rows["nat-1"]["dial"]["status"] == "pass" and rows["nat-1"]["run"]["status"] == "pass"
