@@ -156,6 +156,8 @@ class Host:
             return []
 
     def add_peer_addrs(self, peer_id: str, addrs: list[str]) -> None:
+        """Where ``peer_id`` is to be dialled (a join, an announce, a signed record): replaces
+        what the peerstore held for it."""
         maddrs = []
         for a in addrs:
             try:
@@ -163,7 +165,11 @@ class Host:
             except Exception:  # noqa: BLE001 - a bad address from the network is ignored
                 log.debug("ignoring bad multiaddr %r", a)
         if maddrs:
-            self.libp2p.get_peerstore().add_addrs(ID.from_base58(peer_id), maddrs, 0)
+            # the given addresses replace the stored ones: py-libp2p dials every stored address
+            # and one dead one (identify's loopback, an old port) fails the dial to the good ones
+            store = self.libp2p.get_peerstore()
+            store.clear_addrs(ID.from_base58(peer_id))
+            store.add_addrs(ID.from_base58(peer_id), maddrs, 0)
             cache = getattr(self.libp2p.get_network(), "_negative_peer_cache", None)
             if cache is not None:  # new addresses: an earlier failure says nothing about them
                 cache.evict(peer_id)
