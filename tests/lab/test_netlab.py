@@ -62,6 +62,8 @@ def test_public_and_natted_nodes_train_across_namespaces(lab: Lab, tmp_path):
         assert f"is over (final version {STEPS}" in text, text[-2000:]
         loaded = re.search(r"versions loaded: \{'relay': (\d+), 'fetch': (\d+)", text)
         assert loaded and int(loaded.group(1)) >= 1, text[-2000:]  # versions came through the broadcast
+        summary = re.search(r"contributed (\d+) leases, (\d+) rollout groups", text)
+        assert summary and int(summary.group(2)) > 0, text[-2000:]  # every node contributed
     assert lp.wait(timeout=60) == 0
     assert "3 nodes told" in llog.read_text()
     nat_logs = [(tmp_path / f"{n.name}.log").read_text() for n in nodes if n.nat]

@@ -128,3 +128,14 @@ def test_fewer_peers_than_fanout_is_one_hop_from_a_stripe_root(n, fanout):
     plan = plan_broadcast(LEARNER, peers, fanout, 0, striped=True)
     assert plan.depth == 2 and plan.upload_copies(LEARNER) == 1.0
     assert max(plan.upload_copies(p.peer_id) for p in peers) <= 1.0
+
+
+def test_pushes_is_left_out_of_the_signed_bytes_unless_set():
+    """``PlanMember.pushes`` is optional on the wire: an announce without pushers encodes
+    byte for byte as before the field existed."""
+    from echorl.protocol.messages import PlanMember
+
+    plain = PlanMember(peer_id="p" * 46, reachable=True, addrs=[])
+    assert "pushes" not in plain.model_dump()
+    pusher = PlanMember(peer_id="p" * 46, reachable=False, addrs=[], pushes=True)
+    assert pusher.model_dump()["pushes"] is True
