@@ -3,7 +3,7 @@
     python bench/versus.py --nodes 8 --size-mb 8 --uplink-mbps 20 --json
     python bench/versus.py --nodes 16 --size-mb 64 --uplink-mbps 20 --churn 0.25 --json
 
-One run distributes the same payload (``fake_safetensors(size, 1)`` of bench/broadcast.py) from
+One run distributes the same payload (``fake_safetensors(size, 2)`` of bench/broadcast.py) from
 one origin to N receivers with each system in turn, every peer in its own namespace of a fresh
 lab (tests/netlab.py) with the same ``tc tbf`` uplink cap:
 
@@ -347,7 +347,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="versus-", dir="/var/tmp") as tmp:
         work = Path(args.keep_logs) if args.keep_logs else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        data = fake_safetensors(int(args.size_mb * 1024 * 1024), 1)
+        data = fake_safetensors(int(args.size_mb * 1024 * 1024), 2)  # what bench/netlab.py times (version 2)
         args.payload, args.bytes, args.digest = work / "payload.bin", len(data), hashlib.sha256(data).hexdigest()
         args.payload.write_bytes(data)
         del data

@@ -67,6 +67,7 @@ Serialisation, hashing, delta encoding/application run in worker threads.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,16 +126,21 @@ class Broadcaster:
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
                  straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
-                 store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 nat_push: bool = True, incarnation: bytes | None = None) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
         self.identity = identity
+        # signed into every manifest: new per learner process, so a resumed learner's versions
+        # are never mistaken for an abandoned branch's under the same numbers
+        self.incarnation = incarnation if incarnation is not None else secrets.token_bytes(16)
         self.run_id = run_id
         self.fanout = fanout
         self.chunk_bytes = chunk_bytes
         self.full_every = max(1, full_every)
         self.shape = shape
+        self.nat_push = nat_push  # NAT'd nodes relay by pushing to reachable children (broadcast/push.py)
         self.liveness_every_s = liveness_every_s
         self.liveness_misses = liveness_misses
         self.seed = seed  # fixed: the same members give the same plan, so connections are reused
@@ -253,7 +259,7 @@ class Broadcaster:
                     pass
             manifest, _ = snapshot.build_manifest(
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
-                kind=kind, base_version=base, chunk_bytes=chunk_bytes)
+                kind=kind, base_version=base, chunk_bytes=chunk_bytes, incarnation=self.incarnation)
             return manifest, payload
 
         return await trio.to_thread.run_sync(build)
@@ -275,8 +281,10 @@ class Broadcaster:
         for n in nodes:
             if n.peer_id in self._drop or n.peer_id == self.host.peer_id or self._benched(n.peer_id):
                 continue
-            reachable = n.reachable and self._demote.get(n.peer_id, -1) < self._n_pub
-            members.append(PlanMember(peer_id=n.peer_id, reachable=reachable, addrs=list(n.addrs)[:16]))
+            demoted = self._demote.get(n.peer_id, -1) >= self._n_pub
+            pushes = True if self.nat_push and not n.reachable and not demoted else None
+            members.append(PlanMember(peer_id=n.peer_id, reachable=n.reachable and not demoted,
+                                      addrs=list(n.addrs)[:16], pushes=pushes))
             if n.addrs:
                 self.host.add_peer_addrs(n.peer_id, list(n.addrs))
         self._drop.clear()

@@ -52,6 +52,7 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
+from echorl.broadcast.push import Pusher, PushInbox
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import (
     chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
@@ -86,7 +87,14 @@ class Relay:
                                   store=WeightStore(store_dir, cache_bytes))
         self.direct = direct
         self.direct_streams = 0
+        self.inbox = PushInbox(self.server)  # behind NAT, parents push to us; we push to children
+        self.pusher = Pusher(self.server, direct=direct)
+        self._push_nursery: trio.Nursery | None = None
         self.version = -1
+        # the learner process our node joined under (None: not yet joined): manifests of another
+        # are refused; and the one that signed the version we hold (None: none, or unknown)
+        self.incarnation: bytes | None = None
+        self.held_incarnation: bytes | None = None
         self.result_path: Path | None = None  # the newest verified version's safetensors file
         self._result_digest: bytes | None = None
         self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
@@ -96,10 +104,12 @@ class Relay:
     # --- wiring ---------------------------------------------------------------------------------
     def install(self) -> None:
         self.server.install_serving()
+        self.inbox.install()
         self.host.serve({ANNOUNCE: self._on_announce})
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            self._push_nursery = nursery
             if self.direct:
                 await nursery.start(self.server.serve_direct, _listen_ip(self.host))
             async for ann in self._jobs_recv:
@@ -114,7 +124,7 @@ class Relay:
 
         def check() -> None:
             wire.verify(msg, expected_signer=self.learner)
-            snapshot.verify_manifest(msg.manifest, self.learner, self.run_id)
+            snapshot.verify_manifest(msg.manifest, self.learner, self.run_id, self.incarnation)
             if msg.manifest.version != msg.version:
                 raise ProtocolError(ErrorCode.BAD_MANIFEST, "announce and manifest differ in version")
 
@@ -150,6 +160,7 @@ class Relay:
         if state is None:
             return
         t0 = time.perf_counter()
+        self._start_pushes(state)
         suspects: set[str] = set()
         recovered = [0]
         ok, detail = False, ""
@@ -178,6 +189,16 @@ class Relay:
         if new:  # also when a catch-up moved us forward but short of this version
             await self._deliver()
 
+    def _start_pushes(self, state: VersionState) -> None:
+        """Our children that cannot dial us (we are behind NAT, they are reachable): dial them
+        and push, each in the relay's nursery (it outlives this version's receiving)."""
+        if self._push_nursery is None:
+            return
+        for s, children in state.children.items():
+            for child in children:
+                if state.plan.pushed(self.host.peer_id, child):
+                    self._push_nursery.start_soon(self.pusher.push, state, s, child)
+
     def version_deadline(self, state: VersionState) -> float:
         """Seconds a version may take to arrive: ``version_timeout_s`` if set, else scaled with
         its payload bytes times the plan's busiest upload, and the plan depth (``Deadlines``)."""
@@ -199,6 +220,8 @@ class Relay:
             await self._recover(state, s, suspects, recovered)
 
     async def _open_source(self, parent: str, state: VersionState, s: int) -> Any:
+        if state.plan.pushed(parent, self.host.peer_id):  # it cannot be dialled: it dials us
+            return await self.inbox.wait(state, s, parent, self.stall_s + self.server.announce_wait_s)
         sub = Subscribe(run_id=self.run_id, version=state.version, stripe=s)
         if self.direct:
             ip = self.server.parent_ip(state, parent)
@@ -310,6 +333,7 @@ class Relay:
         result = await trio.to_thread.run_sync(
             lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest))
         self._set_result(manifest.version, result, manifest.result_digest)
+        self.held_incarnation = manifest.incarnation
         self.server.chain.hold(manifest, payload)
         await self.server.collect()
 
@@ -345,6 +369,7 @@ class Relay:
 
             digest, serve = await trio.to_thread.run_sync(place)
             self._set_result(version, path, digest)
+            self.held_incarnation = None if manifest is None else manifest.incarnation
             if serve:
                 self.server.chain.hold(manifest, path)  # type: ignore[arg-type]
             await self.server.collect()
@@ -354,6 +379,7 @@ class Relay:
         """Forget every version (the learner restarted from an older checkpoint, or changed)."""
         self.learner = learner_peer_id
         self._set_result(-1, None, None)
+        self.held_incarnation = None
         self.server.chain.clear()
         self.server.states.clear()
         self.known_peers.clear()
@@ -409,7 +435,7 @@ class Relay:
     async def _follow_chain(self, manifests: list[Manifest], holders: list[str]) -> bool:
         for m in manifests:
             try:
-                await trio.to_thread.run_sync(snapshot.verify_manifest, m, self.learner, self.run_id)
+                await trio.to_thread.run_sync(snapshot.verify_manifest, m, self.learner, self.run_id, self.incarnation)
             except ProtocolError as exc:
                 log.warning("catch-up manifest v%d refused: %s", m.version, exc)
                 return False

@@ -29,6 +29,7 @@ standby nodes' lease requests are answered ``lease_deferred`` / ``standby``.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,8 +92,9 @@ class LearnerService(Policing):
                  version: Callable[[], int] = lambda: 0, published: int = 0,
                  required: Callable[[], float | None] = lambda: None,
                  summary: Callable[[], dict[str, Any]] = dict,
-                 spot: SpotChecker | None = None, ban_after: int = 3) -> None:
+                 spot: SpotChecker | None = None, ban_after: int = 3, incarnation: bytes | None = None) -> None:
         self.identity = identity
+        self.incarnation = incarnation or secrets.token_bytes(16)  # the broadcaster's: signed into manifests
         self.run_id = run_id
         self.task = task
         self.tokenizer = tokenizer
@@ -172,7 +174,8 @@ class LearnerService(Policing):
         pol = self.policy
         host.serve({routes.JOIN: self.on_join, routes.LEASE: self.members.lease_or_end(self.on_lease, self.peers),
                     routes.SUBMIT: self.ledger.counting(self.on_submit), routes.RETURN: self.on_return,
-                    routes.STATUS: self.on_status},  # joins and the run's end: learner/membership.py
+                    routes.STATUS: self.on_status, routes.DIALBACK: self.members.dial_back_handler(host)},
+                   # joins, dial-backs and the run's end: learner/membership.py
                    admit=joined,
                    max_request_bytes={routes.SUBMIT: submit_cap(pol.sampling.max_new_tokens, pol.group_size,
                                                                 pol.prompts_per_lease)})
@@ -210,7 +213,8 @@ class LearnerService(Policing):
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
-                            staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
+                            staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s,
+                            incarnation=self.incarnation)
 
     async def on_lease(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, LeaseRequest)
@@ -231,6 +235,8 @@ class LearnerService(Policing):
             return self._deferred("stopping", retry_after_s=1.0)
         if self.is_standby(ctx.peer_id):
             return self._deferred("standby", retry_after_s=pol.activation_interval_s)
+        if msg.incarnation not in (None, self.incarnation):  # weights of a branch this learner abandoned
+            return self._deferred("weights_unknown", want_version=self.published)
         min_version = pol.min_version(self.version, self.published)
         if msg.version < min_version:
             return self._deferred("weights_too_old", want_version=min_version)
@@ -268,6 +274,10 @@ class LearnerService(Policing):
         rec = self._open_lease(msg, ctx)
         peer = self._peer(ctx)
         b = msg.behaviour_version
+        if msg.incarnation not in (None, self.incarnation):
+            self._settle_refused(rec, msg.nonce, "stale")
+            self.counters["submissions_rejected_stale"] += 1
+            raise ProtocolError(ErrorCode.WRONG_INCARNATION, f"v{b} is of a branch this learner abandoned")
         if self.version - b > self.policy.staleness or b < rec.min_version:
             self._settle_refused(rec, msg.nonce, "stale")
             self.counters["submissions_rejected_stale"] += 1
