@@ -327,9 +327,9 @@ def main() -> None:
     ap.add_argument("--fanout", type=int, default=4, help="echorl: plan fanout")
     ap.add_argument("--chunk-kb", type=float, default=256.0, help="echorl: chunk size")
     ap.add_argument("--pace-mbps", type=float, default=0.0, help="echorl: every peer's own upload limiter (0: none)")
-    ap.add_argument("--lattica", default="1024:8,4096:4",
+    ap.add_argument("--lattica", default="256:2,64:2",
                     help="settings BLOCK_KB:CONCURRENCY, comma-separated (each is one trial)")
-    ap.add_argument("--shardcast", default="sqrt:4,2:50",
+    ap.add_argument("--shardcast", default="sqrt:1,2:50",
                     help="settings MIDDLES:SHARD_MB (MIDDLES a number or sqrt), comma-separated")
     ap.add_argument("--timeout", type=float, default=0.0, help="per trial (default 2·N·W/B + 60 s)")
     ap.add_argument("--keep-logs", default="", help="copy every trial's peer logs here")
