@@ -258,6 +258,21 @@ class Broadcaster:
 
         return await trio.to_thread.run_sync(build)
 
+    async def _signed_announce(self, version: int, manifest: Manifest, members: list[PlanMember],
+                               shape: str | None, seed: int | None) -> tuple[PlanAnnounce, bytes]:
+        """The plan announcement, signed and encoded once for every member, in a worker thread
+        (validating, signing and encoding a large member list is not event-loop work)."""
+        learner_addrs = self.host.addrs[:16]
+
+        def build() -> tuple[PlanAnnounce, bytes]:
+            ann = wire.sign(PlanAnnounce(
+                run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version, manifest=manifest,
+                shape=shape or self.shape, fanout=self.fanout, seed=self.seed if seed is None else seed,
+                learner_addrs=learner_addrs, members=members, created_at=time.time()), self.identity)
+            return ann, wire.encode(ann)
+
+        return await trio.to_thread.run_sync(build)
+
     async def publish(self, version: int, safetensors_bytes: bytes, nodes: Iterable[NodeInfo | tuple],
                       *, timeout: float | None = None, shape: str | None = None,
                       seed: int | None = None) -> BroadcastReport:
@@ -280,10 +295,7 @@ class Broadcaster:
             if n.addrs:
                 self.host.add_peer_addrs(n.peer_id, list(n.addrs))
         self._drop.clear()
-        ann = wire.sign(PlanAnnounce(
-            run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version, manifest=manifest,
-            shape=shape or self.shape, fanout=self.fanout, seed=self.seed if seed is None else seed,
-            learner_addrs=self.host.addrs[:16], members=members, created_at=time.time()), self.identity)
+        ann, encoded = await self._signed_announce(version, manifest, members, shape, seed)
         state = VersionState(ann, self.host.peer_id, self.server.store)
         await state.fill(payload)  # the store's file: served from disk through the chunk cache
         del payload
@@ -301,7 +313,7 @@ class Broadcaster:
 
         async def announce(m: PlanMember) -> None:
             try:
-                await self.host.request(m.peer_id, ANNOUNCE, ann, expect=BroadcastAck,
+                await self.host.request(m.peer_id, ANNOUNCE, encoded, expect=BroadcastAck,
                                         timeout=self.announce_deadline(manifest, len(members)))
                 announced.add(m.peer_id)
             except (PeerUnavailable, ProtocolError) as exc:

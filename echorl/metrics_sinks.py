@@ -46,6 +46,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("cost_per_1k_rollouts", "echorl_cost_per_1k_rollouts", "gauge", "cost so far per 1,000 accepted rollout groups"),
     ("cost_rollouts_on_learner_estimate", "echorl_cost_rollouts_on_learner_estimate", "gauge",
      "ESTIMATE: cost of generating the accepted rollouts on the learner at its price and measured rate"),
+    ("joins_refused_ip_cap", "echorl_joins_refused_ip_cap_total", "counter",
+     "joins refused (peer_limit): the address already holds max_peers_per_ip members"),
+    ("plan_newcomers_capped", "echorl_plan_newcomers_capped_total", "counter",
+     "peers without accepted work left out of a broadcast plan (summed over plans)"),
+    ("members_dropped_idle", "echorl_members_dropped_idle_total", "counter",
+     "members that never worked, dropped after idle_member_drop_s / dead_member_drop_s"),
 )
 # (row key holding {label value: number}, metric name, kind, label name, help)
 LEARNER_LABELLED: tuple[tuple[str, str, str, str, str], ...] = (

@@ -101,6 +101,19 @@ class LeaseFields(BatchFields):
     """node losses counted for the preemption margin over this window"""
     activation_hysteresis: float = Field(0.25, ge=0.0, le=100.0)
     """extra margin a decision must meet to park a node that is active now"""
+    max_peers_per_ip: int = Field(32, ge=0, le=1_000_000)
+    """joined peers per IP address (an IPv6 address counts by its /64); a join beyond it is refused with
+    peer_limit, so fresh identities from one host cannot flood the membership (0: no cap)"""
+    plan_newcomers: int = Field(16, ge=0, le=4096)
+    """peers that have not had a rollout accepted yet put in one broadcast plan (the rest catch up);
+    workers are always in it"""
+    plan_max_members: int = Field(1024, ge=1, le=4096)
+    """peers in one broadcast plan at most, workers with the most accepted groups first"""
+    idle_member_drop_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """a member that never had a rollout accepted (and holds no lease, is not standby) is dropped this
+    long after its join; it joins again if it is still there"""
+    dead_member_drop_s: float = Field(60.0, gt=0.0, le=86_400.0)
+    """a member that never worked is dropped this long after it stopped answering pings"""
 
 
 class LearnerConfig(TrainingFields, LeaseFields, PeerFields):

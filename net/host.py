@@ -349,15 +349,16 @@ class Host:
         self,
         peer_id: str,
         protocol: str,
-        msg: Message,
+        msg: Message | bytes,
         *,
         expect: type[Message] | tuple[type[Message], ...] | None = None,
         timeout: float | None = None,
         max_reply_bytes: int = limits.MAX_FRAME_BYTES,
     ) -> Message:
-        """Send ``msg`` and return the reply. Raises RemoteError (an Error reply, or a reply of
-        an unexpected type / undecodable) or PeerUnavailable (network failure, deadline)."""
-        payload = wire.encode(msg)
+        """Send ``msg`` (a message, or its ``wire.encode`` bytes: one encoding sent to many peers)
+        and return the reply. Raises RemoteError (an Error reply, or a reply of an unexpected
+        type / undecodable) or PeerUnavailable (network failure, deadline)."""
+        payload = msg if isinstance(msg, bytes) else wire.encode(msg)
         deadline = timeout or self.config.request_timeout_s
         try:
             with trio.fail_after(deadline):

@@ -32,6 +32,7 @@ class ErrorCode(str, Enum):
     UNVERIFIABLE = "unverifiable"  # a flagged peer's submission whose spot check cannot run
     REFUSED = "refused"  # the learner refuses this peer (e.g. its leases keep expiring)
     ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
+    PEER_LIMIT = "peer_limit"  # too many peers from this address have joined (or hold connections) already
 
 
 class ProtocolError(Exception):
