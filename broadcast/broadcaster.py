@@ -86,6 +86,7 @@ from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.net.host import Host, PeerUnavailable, RequestContext
+from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter
 
 log = logging.getLogger("echorl.broadcast.broadcaster")
@@ -125,7 +126,8 @@ class Broadcaster:
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
                  straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
-                 store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 fetch_limit: RateLimit | None = None) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -143,7 +145,8 @@ class Broadcaster:
         self.deadlines = deadlines or Deadlines()
         self.limiter = _as_limiter(upload_limit)
         self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct,
-                                  deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes))
+                                  deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes),
+                                  fetch_limit=fetch_limit)
         # (version, safetensors bytes) last published; the bytes only for a delta (a full
         # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
         self._prev: tuple[int, bytes | None] | None = None

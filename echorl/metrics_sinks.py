@@ -52,6 +52,10 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
      "peers without accepted work left out of a broadcast plan (summed over plans)"),
     ("members_dropped_idle", "echorl_members_dropped_idle_total", "counter",
      "members that never worked, dropped after idle_member_drop_s / dead_member_drop_s"),
+    ("fetch_refused_unjoined", "echorl_fetch_refused_unjoined_total", "counter",
+     "chunk / catch-up requests from peers that have not joined, refused unread"),
+    ("fetch_rate_limited", "echorl_fetch_rate_limited_total", "counter",
+     "chunk requests refused: the peer's download rate (fetch_mbps_per_peer) would make it wait too long"),
 )
 # (row key holding {label value: number}, metric name, kind, label name, help)
 LEARNER_LABELLED: tuple[tuple[str, str, str, str, str], ...] = (

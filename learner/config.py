@@ -134,6 +134,9 @@ class LearnerConfig(TrainingFields, LeaseFields, PeerFields):
     """broadcast chunk size in KiB"""
     broadcast_timeout_s: float = Field(120.0, gt=0.0, le=86_400.0)
     """how long one publication may take"""
+    fetch_mbps_per_peer: float = Field(400.0, ge=0.0, le=1e6)
+    """download rate one joined peer gets for catch-up and chunk requests (Mbit/s, bursts of 64 MiB), apart
+    from the broadcast streams; peers that did not join get nothing (0: no per-peer limit)"""
     spot_check_fraction: float = Field(0.1, ge=0.0, le=1.0)
     """fraction of submissions whose behaviour log-probs are recomputed with the claimed version's snapshot;
     a mismatch refuses the submission and flags the peer, whose submissions are then all checked (0: off)"""
