@@ -34,6 +34,7 @@ from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import read_at
 from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
+from echorl.net.guard import ConnectionGuard, remote_ip
 from echorl.net.host import Host, RequestContext
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.transport import Libp2pTransport, TcpStreamAdapter, UploadLimiter, ip_of, serve_raw
@@ -57,6 +58,7 @@ class ChunkServer:
         self.fetch_buckets = TokenBuckets(fetch_limit) if fetch_limit is not None else None
         self.fetch_max_wait_s = fetch_max_wait_s
         self.counters = {"fetch_refused_unjoined": 0, "fetch_rate_limited": 0}
+        self.direct_guard = ConnectionGuard(host.config.connection_limits)  # the direct TCP port's connections
         self.run_id = run_id
         self.limiter = limiter
         self.keep = keep
@@ -190,9 +192,19 @@ class ChunkServer:
             self.direct_port = None
 
     async def _on_direct(self, tcp: trio.SocketStream) -> None:
+        ip = remote_ip(tcp)
+        with self.direct_guard.slot(ip) as ok:
+            if ok:
+                await self._serve_direct_conn(tcp)
+            else:
+                await trio.aclose_forcefully(tcp)
+
+    async def _serve_direct_conn(self, tcp: trio.SocketStream) -> None:
+        """One direct connection: its 16-byte ticket within the host's handshake deadline, then
+        the ticket's stripe."""
         adapter = TcpStreamAdapter(tcp)
         try:
-            with trio.fail_after(10.0):
+            with trio.fail_after(self.host.config.handshake_timeout_s):
                 ticket = b""
                 while len(ticket) < 16:
                     more = await tcp.receive_some(16 - len(ticket))

@@ -52,6 +52,8 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
      "peers without accepted work left out of a broadcast plan (summed over plans)"),
     ("members_dropped_idle", "echorl_members_dropped_idle_total", "counter",
      "members that never worked, dropped after idle_member_drop_s / dead_member_drop_s"),
+    ("connections_refused", "echorl_connections_refused_total", "counter",
+     "inbound connections (libp2p and the direct chunk port) closed at once: the address or the total was at its cap"),
     ("fetch_refused_unjoined", "echorl_fetch_refused_unjoined_total", "counter",
      "chunk / catch-up requests from peers that have not joined, refused unread"),
     ("fetch_rate_limited", "echorl_fetch_rate_limited_total", "counter",

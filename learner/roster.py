@@ -21,13 +21,13 @@ at the wire), so one member costs a plan a few KiB at most.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from echorl.net.guard import ip_key
 from echorl.protocol.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("echorl.learner.roster")
@@ -47,21 +47,6 @@ class RosterPolicy:
     def of(cls, policy: Any) -> "RosterPolicy":
         """The roster fields of a ``LeasePolicy`` (same names)."""
         return cls(**{f: getattr(policy, f) for f in cls.__dataclass_fields__ if hasattr(policy, f)})
-
-
-def ip_key(ip: str | None) -> str:
-    """What one host counts as: the IPv4 address, an IPv6 address's /64 ("" if unknown)."""
-    if not ip:
-        return ""
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
-    return str(addr)
 
 
 def member_addrs(addrs: Iterable[str]) -> list[str]:

@@ -128,6 +128,7 @@ class NetworkSource:
             "spot_check_passed_max_abs_diff": service.spot_check_passed_max_abs_diff,
             "peers_flagged": c["peers_flagged"], "peers_banned": c["peers_banned"], **service.roster.counters,
             **publisher.bc.server.counters,
+            "connections_refused": publisher.bc.host.guard.refused + publisher.bc.server.direct_guard.refused,
             "leases_expired": service.book.expired, "leases_issued": service.book.issued,
             **bcast, "published_version": service.published, "broadcasts_skipped": publisher.skipped,
             "t_bcast_s": prov.t_bcast_ema, "required_rollouts_per_s": prov.required_rollouts_per_s(),

@@ -15,7 +15,8 @@ import pytest
 import trio
 from pydantic import ValidationError
 
-from echorl.learner.roster import MAX_MEMBER_ADDRS, ip_key
+from echorl.learner.roster import MAX_MEMBER_ADDRS
+from echorl.net.guard import ip_key
 from echorl.learner.service import LearnerService
 from echorl.net.host import RequestContext, open_host
 from echorl.protocol import routes, wire
