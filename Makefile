@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	test -z "$(TORCH)" || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[dev,plot,track]'
+	$(BIN)/pip install -q -e '.[dev,plot,track,tasks]'
 	touch $(STAMP)
 
 demo: setup

@@ -8,10 +8,12 @@ Broadcast mode: the learner's ``Broadcaster`` runs in the learner namespace (thi
 re-executed there), the nodes are ``broadcast/relay_process.py`` peers in theirs (NAT'd ones
 reported unreachable: leaves); a first version dials every edge, the second is timed. Prints
 tree_seconds, lower_bound_seconds (W/B: one copy at the learner's uplink), topology_bound_seconds
-(with R reachable nodes of N, at least (N−1)·W/(R·B): leaves forward nothing), nodes_received,
+(W/B × the copies the plan's busiest node uploads; NAT'd nodes relay by pushing to reachable
+children, ``broadcast/push.py``), nodes_received,
 nat_nodes_received and learner_upload_copies (bytes leaving the learner's interface during the
 timed version, TCP/Noise overhead included, / W). Targets: all receive, tree ≤ 1.3 × bound,
-copies ≤ 1.25.
+copies ≤ 1.25. ``--compare`` also times a version with NAT'd nodes as plain leaves (the
+``*_nat_leaves`` keys: the baseline, same run).
 
 Train mode: ``echorl learner`` and ``echorl node`` processes; prints eval_reward_start,
 eval_reward_end (the learner's held-out evaluation), nodes_contributing and
@@ -64,15 +66,24 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                 print(json.dumps({"event": "ready", "addr": host.addrs[0]}), flush=True)
                 line = await trio.to_thread.run_sync(sys.stdin.readline)
                 nodes = [NodeInfo(n["peer_id"], n["reachable"], tuple(n["addrs"])) for n in json.loads(line)]
-                await bc.publish(1, fake_safetensors(size, 3), nodes)  # dials every edge
-                await trio.sleep(0.5)
-                data = fake_safetensors(size, 1)
-                before = tx_bytes()
-                tree = await bc.publish(2, data, nodes)
-                sent = tx_bytes() - before
-                print(json.dumps({"event": "result", "tree_seconds": tree.seconds, "bytes": len(data),
-                                  "completed": tree.completed, "missing": tree.missing, "depth": tree.depth,
-                                  "learner_tx_bytes": sent}), flush=True)
+                out: dict = {"event": "result"}
+                # NAT'd nodes pushing to reachable children (the default), then as plain leaves
+                for nat_push, (warm, timed), suffix in ((True, (1, 2), ""), (False, (3, 4), "_nat_leaves")):
+                    bc.nat_push = nat_push
+                    await bc.publish(warm, fake_safetensors(size, warm + 2), nodes)  # dials every edge
+                    await trio.sleep(0.5)
+                    data = fake_safetensors(size, timed)
+                    before = tx_bytes()
+                    tree = await bc.publish(timed, data, nodes)
+                    sent = tx_bytes() - before
+                    plan = bc._plans[timed]
+                    out.update({f"tree_seconds{suffix}": tree.seconds, f"completed{suffix}": tree.completed,
+                                f"depth{suffix}": tree.depth, f"learner_tx_bytes{suffix}": sent,
+                                f"busiest_node_copies{suffix}": max(plan.upload_copies(n.peer_id) for n in nodes)})
+                    if not args.compare:
+                        break
+                out.update({"bytes": len(data)})
+                print(json.dumps(out), flush=True)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -98,7 +109,8 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
     peers = [lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}")
              for i in range(args.nodes)]
     me = [sys.executable, str(Path(__file__).resolve()), "--_broadcaster", "--size-mb", str(args.size_mb),
-          "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout)]
+          "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout),
+          *(["--compare"] if args.compare else [])]
     bc = subprocess.Popen(learner.cmd(*me), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
     learner.procs.append(bc)
     addr = _json_line(bc, "ready", 120)["addr"]
@@ -123,15 +135,23 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
     bound = res["bytes"] / rate
     for _, proc in relays:
         proc.stdin.close()  # type: ignore[union-attr]
-    return {
+    out = {
         "nodes": args.nodes, "nat_nodes": args.nat, "uplink_mbps": args.uplink_mbps, "bytes": res["bytes"],
-        "fanout": args.fanout, "depth": res["depth"], "tree_seconds": round(res["tree_seconds"], 3),
-        "lower_bound_seconds": round(bound, 3), "tree_over_lower_bound": round(res["tree_seconds"] / bound, 3),
-        # NAT'd nodes cannot be parents: the reachable ones upload the other N−1 copies between them
-        "topology_bound_seconds": round(max(bound, (args.nodes - 1) * bound / max(1, args.nodes - args.nat)), 3),
-        "nodes_received": len(res["completed"]), "nat_nodes_received": len(nat_ids & set(res["completed"])),
-        "learner_upload_copies": round(res["learner_tx_bytes"] / res["bytes"], 3),
+        "fanout": args.fanout, "chunk_kb": args.chunk_kb, "load_average_1m": os.getloadavg()[0],
     }
+    for suffix in ("", "_nat_leaves") if args.compare else ("",):
+        tree = res[f"tree_seconds{suffix}"]
+        out.update({
+            f"depth{suffix}": res[f"depth{suffix}"], f"tree_seconds{suffix}": round(tree, 3),
+            f"tree_over_lower_bound{suffix}": round(tree / bound, 3),
+            # the plan's busiest node uploads this many copies at its own uplink
+            f"topology_bound_seconds{suffix}": round(bound * max(1.0, res[f"busiest_node_copies{suffix}"]), 3),
+            f"nodes_received{suffix}": len(res[f"completed{suffix}"]),
+            f"nat_nodes_received{suffix}": len(nat_ids & set(res[f"completed{suffix}"])),
+            f"learner_upload_copies{suffix}": round(res[f"learner_tx_bytes{suffix}"] / res["bytes"], 3),
+        })
+    out["lower_bound_seconds"] = round(bound, 3)
+    return out
 
 
 def _eval_rewards(metrics: Path) -> list[float]:
@@ -195,9 +215,12 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=8.0)
     ap.add_argument("--fanout", type=int, default=4)
     ap.add_argument("--chunk-kb", type=float, default=256.0)
+    ap.add_argument("--compare", action="store_true",
+                    help="also time a version with NAT'd nodes as plain leaves (the *_nat_leaves keys)")
     ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--logs", help="train mode: keep the learner's and nodes' logs (and metrics) in this folder")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_broadcaster", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -209,7 +232,9 @@ def main() -> None:
     if why:
         sys.exit(f"bench/netlab.py: network lab unavailable: {why}")
     with Lab(uplink_mbps=args.uplink_mbps) as lab, tempfile.TemporaryDirectory(prefix="netlab-") as tmp:
-        out = run_train(lab, args, Path(tmp)) if args.train else run_broadcast(lab, args)
+        where = Path(args.logs or tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        out = run_train(lab, args, where) if args.train else run_broadcast(lab, args)
     emit(out, args.json)
 
 

@@ -4,6 +4,7 @@ policy; ``--no-off-policy-correction`` takes the ratio against the current polic
 
     nice -n 5 python bench/staleness_sweep.py --json                       # the full sweep
     python bench/staleness_sweep.py --staleness 0 4 --seeds 0 --steps 40   # a quick look
+    python bench/staleness_sweep.py --report runs/sweep/*.jsonl --plot docs/staleness-sweep.png
 
 Every run uses the same steps, data (prompt order from ``--seed``) and start model; it reports
 the final held-out ``eval_reward`` (mean, min, max over seeds), optimizer steps per second and
@@ -63,6 +64,44 @@ def summarise(runs: list[dict]) -> dict:
             "wall_s": round(sum(r["wall_s"] for r in runs), 1), "cpu_s": round(sum(r["cpu_s"] for r in runs), 1)}
 
 
+def report(paths: list[str], png: str | None) -> None:
+    """The markdown table (and, with ``png``, the plot) of sweep JSON lines read back from files."""
+    rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines()
+            if line.startswith('{"bench": "staleness_sweep"')]
+    rows.sort(key=lambda r: (not r["off_policy_correction"], r["staleness"]))
+    print("| S | correction | eval_final mean (min–max) | vs S=0 | steps/s | busy_fraction |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['staleness']} | {'on' if r['off_policy_correction'] else 'off'} | "
+              f"{r['eval_final_mean']:.3f} ({r['eval_final_min']:.3f}–{r['eval_final_max']:.3f}) | "
+              f"{r['eval_final_vs_S0']:+.3f} | {r['steps_per_s']:.2f} | {r['busy_fraction']:.2f} |")
+    if png is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for corr, label in [(True, "clipped ratio + truncated IS"), (False, "no off-policy correction")]:
+        sel = [r for r in rows if r["off_policy_correction"] == corr]
+        if not sel:
+            continue
+        xs = [r["staleness"] for r in sel]
+        mid = [r["eval_final_mean"] for r in sel]
+        err = [[m - r["eval_final_min"] for m, r in zip(mid, sel)], [r["eval_final_max"] - m for m, r in zip(mid, sel)]]
+        ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, label=label)
+    if rows:
+        ax.axhline(rows[0]["eval_first_mean"], color="grey", ls=":", label="start (step 0)")
+        ax.set_title(f"final eval_reward vs staleness bound S ({rows[0]['steps']} steps, "
+                     f"{len(rows[0]['seeds'])} seeds, min–max bars)", fontsize=9)
+    ax.set_xlabel("staleness bound S")
+    ax.set_ylabel("held-out eval_reward")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--staleness", type=int, nargs="+", default=STALENESS)
@@ -73,9 +112,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before it counts as failed")
     p.add_argument("--metrics-dir", default=None, help="keep each run's metrics JSONL here")
     p.add_argument("--json", action="store_true", help="one JSON line per (S, correction)")
+    p.add_argument("--report", nargs="+", metavar="JSONL", help="print the markdown table of earlier --json output")
+    p.add_argument("--plot", metavar="PNG", help="with --report: also draw final eval vs S")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train-local flags")
     args = p.parse_args()
     args.extra = [a for a in args.extra if a != "--"]
+    if args.report:
+        report(args.report, args.plot)
+        return
     if args.steps < 1 or not args.seeds or any(s < 0 for s in args.staleness):
         p.error("need --steps >= 1, at least one seed and S >= 0")
     grid = sorted(set(args.staleness) | {0})

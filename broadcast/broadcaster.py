@@ -127,7 +127,7 @@ class Broadcaster:
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
                  straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
                  store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 fetch_limit: RateLimit | None = None) -> None:
+                 fetch_limit: RateLimit | None = None, nat_push: bool = True) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -137,6 +137,7 @@ class Broadcaster:
         self.chunk_bytes = chunk_bytes
         self.full_every = max(1, full_every)
         self.shape = shape
+        self.nat_push = nat_push  # NAT'd nodes relay by pushing to reachable children (broadcast/push.py)
         self.liveness_every_s = liveness_every_s
         self.liveness_misses = liveness_misses
         self.seed = seed  # fixed: the same members give the same plan, so connections are reused
@@ -293,8 +294,10 @@ class Broadcaster:
         for n in nodes:
             if n.peer_id in self._drop or n.peer_id == self.host.peer_id or self._benched(n.peer_id):
                 continue
-            reachable = n.reachable and self._demote.get(n.peer_id, -1) < self._n_pub
-            members.append(PlanMember(peer_id=n.peer_id, reachable=reachable, addrs=list(n.addrs)[:16]))
+            demoted = self._demote.get(n.peer_id, -1) >= self._n_pub
+            pushes = True if self.nat_push and not n.reachable and not demoted else None
+            members.append(PlanMember(peer_id=n.peer_id, reachable=n.reachable and not demoted,
+                                      addrs=list(n.addrs)[:16], pushes=pushes))
             if n.addrs:
                 self.host.add_peer_addrs(n.peer_id, list(n.addrs))
         self._drop.clear()

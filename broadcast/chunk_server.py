@@ -19,7 +19,8 @@ import os as _os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -73,6 +74,8 @@ class ChunkServer:
         self.direct = direct
         self.direct_port: int | None = None  # set while serve_direct runs
         self._tickets: dict[bytes, tuple[str, int, int, float]] = {}  # ticket -> (peer, version, stripe, expiry)
+        # a direct connection whose ticket is not ours: a push ticket? (broadcast/push.py)
+        self.accept_pushed: Callable[[bytes, TcpStreamAdapter], Awaitable[bool]] | None = None
 
     # --- state bookkeeping ------------------------------------------------------------------------
     def add_state(self, state: VersionState) -> None:
@@ -164,7 +167,7 @@ class ChunkServer:
         sub = wire.decode(body, expect=Subscribe)
         assert isinstance(sub, Subscribe)
         state = await self._check_subscribe(sub, peer)
-        await self._serve_stripe(stream, state, sub.stripe)
+        await self.serve_stripe(stream, state, sub.stripe)
 
     async def _on_ticket(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, Subscribe)
@@ -212,12 +215,14 @@ class ChunkServer:
                         return
                     ticket += more
             entry = self._tickets.pop(ticket, None)
+            if entry is None and self.accept_pushed is not None and await self.accept_pushed(ticket, adapter):
+                return
             if entry is None or entry[3] < time.monotonic():
                 return
             _, version, stripe, _ = entry
             state = self.states.get(version)
             if state is not None:
-                await self._serve_stripe(adapter, state, stripe)
+                await self.serve_stripe(adapter, state, stripe)
         except Exception as exc:  # noqa: BLE001 - one child's stream must not end the listener
             log.info("direct stream ended: %s: %s", type(exc).__name__, exc)
         finally:
@@ -230,7 +235,7 @@ class ChunkServer:
         return self.deadlines.for_bytes(int(nbytes * upload_copies(state.plan) * state.n_stripes),
                                         hops=state.plan.depth)
 
-    async def _serve_stripe(self, stream: Any, state: VersionState, stripe: int) -> None:
+    async def serve_stripe(self, stream: Any, state: VersionState, stripe: int) -> None:
         with trio.fail_after(self.stripe_deadline(state, stripe)):
             for i in state.stripe_indices(stripe):
                 await state.wait_for(i)

@@ -52,6 +52,7 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
+from echorl.broadcast.push import Pusher, PushInbox
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import (
     chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
@@ -86,6 +87,9 @@ class Relay:
                                   store=WeightStore(store_dir, cache_bytes))
         self.direct = direct
         self.direct_streams = 0
+        self.inbox = PushInbox(self.server)  # behind NAT, parents push to us; we push to children
+        self.pusher = Pusher(self.server, direct=direct)
+        self._push_nursery: trio.Nursery | None = None
         self.version = -1
         self.result_path: Path | None = None  # the newest verified version's safetensors file
         self._result_digest: bytes | None = None
@@ -96,10 +100,12 @@ class Relay:
     # --- wiring ---------------------------------------------------------------------------------
     def install(self) -> None:
         self.server.install_serving()
+        self.inbox.install()
         self.host.serve({ANNOUNCE: self._on_announce})
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            self._push_nursery = nursery
             if self.direct:
                 await nursery.start(self.server.serve_direct, _listen_ip(self.host))
             async for ann in self._jobs_recv:
@@ -150,6 +156,7 @@ class Relay:
         if state is None:
             return
         t0 = time.perf_counter()
+        self._start_pushes(state)
         suspects: set[str] = set()
         recovered = [0]
         ok, detail = False, ""
@@ -178,6 +185,16 @@ class Relay:
         if new:  # also when a catch-up moved us forward but short of this version
             await self._deliver()
 
+    def _start_pushes(self, state: VersionState) -> None:
+        """Our children that cannot dial us (we are behind NAT, they are reachable): dial them
+        and push, each in the relay's nursery (it outlives this version's receiving)."""
+        if self._push_nursery is None:
+            return
+        for s, children in state.children.items():
+            for child in children:
+                if state.plan.pushed(self.host.peer_id, child):
+                    self._push_nursery.start_soon(self.pusher.push, state, s, child)
+
     def version_deadline(self, state: VersionState) -> float:
         """Seconds a version may take to arrive: ``version_timeout_s`` if set, else scaled with
         its payload bytes times the plan's busiest upload, and the plan depth (``Deadlines``)."""
@@ -199,6 +216,8 @@ class Relay:
             await self._recover(state, s, suspects, recovered)
 
     async def _open_source(self, parent: str, state: VersionState, s: int) -> Any:
+        if state.plan.pushed(parent, self.host.peer_id):  # it cannot be dialled: it dials us
+            return await self.inbox.wait(state, s, parent, self.stall_s + self.server.announce_wait_s)
         sub = Subscribe(run_id=self.run_id, version=state.version, stripe=s)
         if self.direct:
             ip = self.server.parent_ip(state, parent)

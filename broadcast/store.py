@@ -42,7 +42,7 @@ def plan_of(ann: PlanAnnounce) -> BroadcastPlan:
     if ann.shape == "star":
         peers = tuple(sorted(m.peer_id for m in ann.members))
         return BroadcastPlan(learner, max(len(peers), 1), (Stripe(0, {learner: peers}),), peers)
-    peers = [PlanPeer(m.peer_id, m.reachable) for m in ann.members]
+    peers = [PlanPeer(m.peer_id, m.reachable, bool(m.pushes)) for m in ann.members]
     return plan_broadcast(learner, peers, ann.fanout, ann.seed, striped=ann.shape == "striped")
 
 

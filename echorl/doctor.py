@@ -2,8 +2,8 @@
 
 Checks, in order (a failed address or dial ends the network checks): the bootstrap address
 parses; the learner answers a dial (with the cause if not) and a ping (RTT); it serves the run;
-how it sees us (identify's observed address: an address that is not ours means NAT, so this
-node will be a broadcast leaf, which works); download throughput from the learner (the newest
+whether it can dial us back (``DIALBACK``: if not, behind NAT or a firewall: this node then
+relays by dialling reachable peers) and how it sees us (identify's observed address); download throughput from the learner (the newest
 full snapshot's manifest by catch-up, and as many verified chunks as fit in a few seconds); our clock is
 not behind the learner's (the manifest must not come from the future, a one-sided check: joins
 outside ±MAX_CLOCK_SKEW_S are refused); the key file's mode; free disk for weights; the torch
@@ -83,7 +83,7 @@ async def _network_checks(args: argparse.Namespace) -> list[Row]:
         rows.append(Row("dial", "pass" if rtts else "warn",
                         f"connected; ping {rtt:.1f} ms" if rtt is not None else "connected; no ping answer"))
         rows.append(await _run_row(host, learner, args.run_id))
-        rows.append(await _nat_row(host))
+        rows.append(await _reachability_row(host, learner))
         rows += await _download_rows(host, learner, args.run_id, args.download_seconds)
     return rows
 
@@ -104,20 +104,45 @@ async def _run_row(host: Any, learner: str, run_id: str) -> Row:
                               f"{len(status.peers)} nodes joined")
 
 
-async def _nat_row(host: Any) -> Row:
-    from echorl.net.addrs import interface_ips
+NOT_REACHABLE = ("not directly reachable (behind NAT or a firewall): joins and works; in the broadcast it "
+                 "relays by dialling reachable peers; --announce a forwarded port to be dialable")
+
+
+async def _reachability_row(host: Any, learner: str) -> Row:
+    """Ask the learner to dial us back at our listen addresses (the test that decides whether
+    we may be dialled as a broadcast parent); identify's observed address says how it sees us."""
+    from echorl.protocol import routes
+    from echorl.protocol.messages import DialBackRequest, DialBackResult
+
+    from echorl.net.host import PeerUnavailable, RemoteError
 
     with trio.move_on_after(3.0):
         while not host.observed_addrs():
             await trio.sleep(0.1)
     seen = host.observed_addrs()
+    seen_as = f"seen as {', '.join(seen)}" if seen else "no observed address from the learner"
+    try:
+        reply = await host.request(learner, routes.DIALBACK, DialBackRequest(addrs=host.addrs[:16]),
+                                   expect=DialBackResult, timeout=15.0)
+    except (PeerUnavailable, RemoteError) as exc:
+        return _observed_row(seen, f"the learner does not dial back ({exc})")
+    assert isinstance(reply, DialBackResult)
+    if reply.reachable:
+        return Row("reachability", "pass", f"the learner dialled us back at {reply.seen_ip}: reachable ({seen_as})")
+    return Row("reachability", "warn", f"the learner could not dial us back at {', '.join(host.addrs[:4])}; "
+                                       f"{seen_as}: {NOT_REACHABLE}")
+
+
+def _observed_row(seen: list[str], why: str) -> Row:
+    """Without a dial-back (an older learner): judge by identify's observed address alone."""
+    from echorl.net.addrs import interface_ips
+
     if not seen:
-        return Row("reachability", "warn", "the learner did not report how it sees us (same machine?)")
-    ips = {a.split("/")[2] for a in seen}
-    if ips & set(interface_ips(4) + interface_ips(6)):
-        return Row("reachability", "pass", f"seen as {', '.join(seen)}: a public address of this machine")
-    return Row("reachability", "warn", f"seen as {', '.join(seen)}, not an address of this machine: behind NAT, "
-                                       "so a broadcast leaf (works; --announce a forwarded port to relay)")
+        return Row("reachability", "warn", f"{why}; the learner did not report how it sees us (same machine?)")
+    if {a.split("/")[2] for a in seen} & set(interface_ips(4) + interface_ips(6)):
+        return Row("reachability", "pass", f"{why}; seen as {', '.join(seen)}: an address of this machine")
+    return Row("reachability", "warn", f"{why}; seen as {', '.join(seen)}, not an address of this machine: "
+                                       f"{NOT_REACHABLE}")
 
 
 async def _download_rows(host: Any, learner: str, run_id: str, seconds: float) -> list[Row]:

@@ -21,7 +21,7 @@ import trio
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import short_id
-from echorl.protocol.messages import JoinRequest, RunEnded
+from echorl.protocol.messages import DialBackResult, JoinRequest, RunEnded
 from echorl.learner.roster import member_addrs
 
 log = logging.getLogger("echorl.learner.membership")
@@ -61,6 +61,14 @@ class Members:
         log.info("joined: %s (%s, %.0f tok/s, %s)", short_id(peer_id), cap.device, cap.tokens_per_s,
                  "reachable" if cap.reachable else "not reachable: a broadcast leaf")
         return cap
+
+    def dial_back_handler(self, host: Any) -> Any:
+        """The ``DIALBACK`` handler: is the caller reachable at the addresses it names?"""
+        async def on_dial_back(msg: Any, ctx: Any) -> DialBackResult:
+            remote = host.remote_ip(ctx.peer_id)
+            ok = await dial_back(list(msg.addrs), remote)
+            return DialBackResult(reachable=ok, seen_ip=remote or "")
+        return on_dial_back
 
     def lease_or_end(self, handler: Any, peers: dict[str, Any]) -> Any:
         """``handler`` for lease requests, answered with ``RunEnded`` once the run is over."""

@@ -174,7 +174,8 @@ class LearnerService(Policing):
         pol = self.policy
         host.serve({routes.JOIN: self.on_join, routes.LEASE: self.members.lease_or_end(self.on_lease, self.peers),
                     routes.SUBMIT: self.ledger.counting(self.on_submit), routes.RETURN: self.on_return,
-                    routes.STATUS: self.on_status},  # joins and the run's end: learner/membership.py
+                    routes.STATUS: self.on_status, routes.DIALBACK: self.members.dial_back_handler(host)},
+                   # joins, dial-backs and the run's end: learner/membership.py
                    admit=joined,
                    max_request_bytes={routes.SUBMIT: submit_cap(pol.sampling.max_new_tokens, pol.group_size,
                                                                 pol.prompts_per_lease)})

@@ -160,6 +160,8 @@ class Host:
             return []
 
     def add_peer_addrs(self, peer_id: str, addrs: list[str]) -> None:
+        """Where ``peer_id`` is to be dialled (a join, an announce, a signed record): replaces
+        what the peerstore held for it."""
         maddrs = []
         for a in addrs:
             try:
@@ -167,7 +169,14 @@ class Host:
             except Exception:  # noqa: BLE001 - a bad address from the network is ignored
                 log.debug("ignoring bad multiaddr %r", a)
         if maddrs:
-            self.libp2p.get_peerstore().add_addrs(ID.from_base58(peer_id), maddrs, 0)
+            # the given addresses replace the stored ones: py-libp2p dials every stored address
+            # and one dead one (identify's loopback, an old port) fails the dial to the good ones
+            store = self.libp2p.get_peerstore()
+            store.clear_addrs(ID.from_base58(peer_id))
+            store.add_addrs(ID.from_base58(peer_id), maddrs, 0)
+            cache = getattr(self.libp2p.get_network(), "_negative_peer_cache", None)
+            if cache is not None:  # new addresses: an earlier failure says nothing about them
+                cache.evict(peer_id)
 
     async def connect(self, addr: str, timeout: float | None = None) -> str:
         """Dial a ``/ip4/…/tcp/…/p2p/<id>`` address; returns the peer ID. Raises ``AddressError``
@@ -444,6 +453,9 @@ class Host:
         return time.perf_counter() - start
 
 
+NEGATIVE_CACHE_S = 2.0  # how long py-libp2p refuses redials of a peer after a failed dial
+
+
 def _quiet_libp2p_logs() -> None:
     for name in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -466,6 +478,12 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
         raise RuntimeError("libp2p peer id differs from the protocol identity")
     host = Host(identity, lp_host, config)
     guard_libp2p_inbound(lp_host.get_network(), host.guard)  # net/guard.py
+    cache = getattr(lp_host.get_network(), "_negative_peer_cache", None)
+    if cache is not None and hasattr(cache, "_ttl"):
+        # py-libp2p refuses every dial to a peer for 60 s after one failed: one early failure
+        # (a peer not listening yet, a dial before its addresses were known) cut broadcast
+        # edges for a whole version in the lab; our callers have their own deadlines and backoff
+        cache._ttl = NEGATIVE_CACHE_S
     async with lp_host.run(listen_addrs=[listen]):
         yield host
 

@@ -15,9 +15,11 @@ RATES: dict[str, RateLimit] = {
     ids.SUBMIT: RateLimit(50.0, 100.0),
     ids.RETURN: RateLimit(5.0, 20.0),
     ids.STATUS: RateLimit(10.0, 30.0),
+    ids.DIALBACK: RateLimit(0.5, 3.0),
     ids.ANNOUNCE: RateLimit(20.0, 50.0),
     ids.CHUNK: RateLimit(2000.0, 4000.0),
     ids.CATCHUP: RateLimit(10.0, 30.0),
     ids.DONE: RateLimit(50.0, 200.0),
     ids.TICKET: RateLimit(50.0, 200.0),
+    ids.PUSH: RateLimit(50.0, 200.0),
 }

@@ -341,10 +341,15 @@ class Error(Message):
 
 
 # --- broadcast (broadcast/broadcaster.py, broadcast/relay.py) ---------------------------------------------
-class PlanMember(WireModel):
+class PlanMember(OptionalFieldsModel):
+    """``pushes``: not reachable, but may relay by dialling out to reachable children and
+    pushing its stripe to them (a node behind NAT); None = a leaf unless reachable."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("pushes",)
     peer_id: PeerId
     reachable: bool  # may be interior (others can dial it)
     addrs: Annotated[list[Addr], Field(max_length=16)]  # where its children dial it
+    pushes: bool | None = None
 
 
 class PlanAnnounce(Message):
@@ -445,12 +450,27 @@ class LearnerRecord(Message):
     signature: Signature = b"\0" * 64
 
 
+class DialBackRequest(Message):
+    """Anyone → learner (what ``echorl doctor`` asks before a volunteer joins): dial me back at
+    ``addrs`` and say whether that worked. The learner dials only those of ``addrs`` on the IP
+    the request's connection comes from, so it cannot be made to connect to third parties."""
+
+    type: Literal["dial_back_request"] = "dial_back_request"
+    addrs: Annotated[list[Addr], Field(max_length=16)]
+
+
+class DialBackResult(Message):
+    type: Literal["dial_back_result"] = "dial_back_result"
+    reachable: bool  # some address accepted a TCP connection and spoke libp2p
+    seen_ip: Text  # where the request came from, as the learner sees it ("" if unknown)
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (
         JoinRequest, JoinAccepted, LeaseRequest, Lease, LeaseDeferred, LeaseReturn, Submit, SubmitAccepted, Receipt,
         Manifest, ChunkRequest, Chunk, StatusRequest, Status, Error,
         PlanAnnounce, Subscribe, BroadcastDone, BroadcastAck, CatchUpRequest, CatchUp, StreamTicket,
-        LearnerRecord, RunEnded,
+        LearnerRecord, RunEnded, DialBackRequest, DialBackResult,
     )
 }

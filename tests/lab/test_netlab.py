@@ -62,6 +62,8 @@ def test_public_and_natted_nodes_train_across_namespaces(lab: Lab, tmp_path):
         assert f"is over (final version {STEPS}" in text, text[-2000:]
         loaded = re.search(r"versions loaded: \{'relay': (\d+), 'fetch': (\d+)", text)
         assert loaded and int(loaded.group(1)) >= 1, text[-2000:]  # versions came through the broadcast
+        summary = re.search(r"contributed (\d+) leases, (\d+) rollout groups", text)
+        assert summary and int(summary.group(2)) > 0, text[-2000:]  # every node contributed
     assert lp.wait(timeout=60) == 0
     assert "3 nodes told" in llog.read_text()
     nat_logs = [(tmp_path / f"{n.name}.log").read_text() for n in nodes if n.nat]
@@ -85,3 +87,24 @@ def test_lab_leaves_nothing_behind():
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     assert "echorl_lab" not in tables
     assert not any(ns.startswith(PREFIX) and ns.split("-")[2] == names[0].split("-")[2] for ns in lab_namespaces())
+
+
+def test_doctor_tells_a_public_node_from_a_natted_one(lab: Lab, tmp_path):
+    """``echorl doctor`` from a public namespace: the learner dials it back (reachable); from
+    behind the NAT: not directly reachable, seen as the NAT's address."""
+    learner = lab.add_peer("learner")
+    public, natted = lab.add_peer("pub-1"), lab.add_peer("nat-1", nat=True)
+    addr_file, llog = tmp_path / "addr", tmp_path / "learner.log"
+    lp = lab.spawn(learner, echorl("learner", "--listen", "/ip4/0.0.0.0/tcp/4001", "--addr-file", str(addr_file),
+                                   "--steps", "0", "--checkpoint-dir", "none"), llog, env=ENV)
+    addr = _wait_file(addr_file, lp, llog)
+    rows = {}
+    for peer in (public, natted):
+        out = lab.run(peer, echorl("doctor", "--bootstrap", addr, "--key", str(tmp_path / "k"),
+                                   "--download-seconds", "1", "--json"), timeout=180, env=ENV)
+        rows[peer.name] = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    pub, nat = rows["pub-1"]["reachability"], rows["nat-1"]["reachability"]
+    assert pub["status"] == "pass" and f"dialled us back at {public.ip}" in pub["detail"], pub
+    assert nat["status"] == "warn" and "not directly reachable" in nat["detail"], nat
+    assert "seen as /ip4/198.18.0.254/" in nat["detail"], nat
+    assert rows["nat-1"]["dial"]["status"] == "pass" and rows["nat-1"]["run"]["status"] == "pass"

@@ -212,3 +212,21 @@ def test_error_reply_for_unknown_code_maps_to_internal():
     from echorl.net.framing import protocol_error_from
 
     assert protocol_error_from(Error(code="nope", detail="x")).code == ErrorCode.INTERNAL
+
+
+def test_a_failed_dial_does_not_block_the_peer_once_its_addresses_are_known():
+    """py-libp2p refuses redials for 60 s after a failure; a peer whose (new) addresses arrive
+    (an announce) is dialled at once, and an unchanged one again after NEGATIVE_CACHE_S."""
+    from echorl.net.host import NEGATIVE_CACHE_S, PeerUnavailable, open_host
+    from echorl.protocol.identity import Identity
+
+    async def main():
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
+            a.add_peer_addrs(b.peer_id, ["/ip4/127.0.0.1/tcp/1"])  # nothing listens there
+            with pytest.raises(PeerUnavailable):
+                await a.ping(b.peer_id, timeout=5.0)
+            a.add_peer_addrs(b.peer_id, list(b.addrs))  # replaces the dead address
+            assert await a.ping(b.peer_id, timeout=5.0) > 0
+            assert NEGATIVE_CACHE_S <= 5.0
+
+    trio.run(main)

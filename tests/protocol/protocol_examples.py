@@ -60,4 +60,6 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
         m.LeaseDeferred(run_id="run-1", reason="weights_too_old", want_version=3, retry_after_s=0.0),
         sign(m.RunEnded(run_id="run-1", learner_peer_id=learner.peer_id, version=40, steps=40, leases_done=7,
                         groups_accepted=50, timestamp=time.time()), learner),
+        m.DialBackRequest(addrs=["/ip4/198.18.0.2/tcp/4002"]),
+        m.DialBackResult(reachable=False, seen_ip="198.18.0.254"),
     ]

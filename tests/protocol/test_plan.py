@@ -12,8 +12,10 @@ LEARNER = "learner"
 
 
 def peers_strategy(min_size=0):
-    return st.lists(st.booleans(), min_size=min_size, max_size=80).map(
-        lambda flags: [PlanPeer(f"peer-{i}", reachable=r) for i, r in enumerate(flags)]
+    """Reachable peers, unreachable leaves and unreachable pushers (NAT'd, dialling out)."""
+    return st.lists(st.sampled_from(["reachable", "leaf", "pusher"]), min_size=min_size, max_size=80).map(
+        lambda kinds: [PlanPeer(f"peer-{i}", reachable=k == "reachable", pushes=k == "pusher")
+                       for i, k in enumerate(kinds)]
     )
 
 
@@ -40,11 +42,44 @@ def test_every_peer_gets_every_chunk_exactly_once(peers, fanout, seed, striped):
 
 @settings(max_examples=200, deadline=None)
 @given(peers_strategy(min_size=1), st.integers(2, 6), st.integers(0, 10**6), st.booleans())
-def test_unreachable_peers_are_never_interior(peers, fanout, seed, striped):
+def test_no_edge_needs_a_dial_to_an_unreachable_peer(peers, fanout, seed, striped):
+    """Unreachable leaves are never interior; a pusher's children are all reachable (it dials
+    them); so no edge joins two unreachable peers, and ``pushed`` names exactly those edges."""
     plan = plan_broadcast(LEARNER, peers, fanout, seed, striped)
     unreachable = {p.peer_id for p in peers if not p.reachable}
+    leaves = {p.peer_id for p in peers if not p.reachable and not p.pushes}
+    assert plan.unreachable == unreachable
     for stripe in plan.stripes:
-        assert not unreachable & set(stripe.children)
+        assert not leaves & set(stripe.children)
+        for parent, children in stripe.children.items():
+            for child in children:
+                if parent != LEARNER:
+                    assert parent not in unreachable or child not in unreachable
+                assert plan.pushed(parent, child) == (parent in unreachable)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 120), st.integers(0, 120), st.integers(2, 6), st.integers(0, 10**6))
+def test_pushers_never_cost_the_learner_or_the_busiest_peer_more(n_pub, n_nat, fanout, seed):
+    """Letting NAT'd peers push relieves the reachable ones: neither the learner's upload nor
+    the busiest peer's grows compared with the same peers as plain leaves."""
+    def plan(push):
+        peers = [PlanPeer(f"p{i}") for i in range(n_pub)] + [PlanPeer(f"n{i}", False, push) for i in range(n_nat)]
+        built = plan_broadcast(LEARNER, peers, fanout, seed)
+        return built.upload_copies(LEARNER), max((built.upload_copies(p.peer_id) for p in peers), default=0)
+
+    (learner_leaf, busiest_leaf), (learner_push, busiest_push) = plan(False), plan(True)
+    assert learner_push <= learner_leaf + 1e-9
+    assert busiest_push <= busiest_leaf + 1e-9
+
+
+def test_half_nat_pushers_spread_the_upload_evenly():
+    """The lab's case (4 public, 4 NAT'd, k = 4): one copy from the learner, nobody above one."""
+    peers = [PlanPeer(f"p{i}") for i in range(4)] + [PlanPeer(f"n{i}", False, True) for i in range(4)]
+    plan = plan_broadcast(LEARNER, peers, 4)
+    assert plan.upload_copies(LEARNER) == 1.0
+    assert all(plan.upload_copies(p.peer_id) <= 1.0 for p in peers)
+    assert sum(plan.upload_copies(p.peer_id) for p in peers if not p.reachable) == 3.0  # NAT'd uplinks carry
 
 
 @settings(max_examples=200, deadline=None)
@@ -93,3 +128,14 @@ def test_fewer_peers_than_fanout_is_one_hop_from_a_stripe_root(n, fanout):
     plan = plan_broadcast(LEARNER, peers, fanout, 0, striped=True)
     assert plan.depth == 2 and plan.upload_copies(LEARNER) == 1.0
     assert max(plan.upload_copies(p.peer_id) for p in peers) <= 1.0
+
+
+def test_pushes_is_left_out_of_the_signed_bytes_unless_set():
+    """``PlanMember.pushes`` is optional on the wire: an announce without pushers encodes
+    byte for byte as before the field existed."""
+    from echorl.protocol.messages import PlanMember
+
+    plain = PlanMember(peer_id="p" * 46, reachable=True, addrs=[])
+    assert "pushes" not in plain.model_dump()
+    pusher = PlanMember(peer_id="p" * 46, reachable=False, addrs=[], pushes=True)
+    assert pusher.model_dump()["pushes"] is True

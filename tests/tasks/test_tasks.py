@@ -178,3 +178,25 @@ def test_checker_fuzz_never_raises():
         assert math_reward(text, gold) in (0.0, 1.0)
 
     check()
+
+
+def test_math_verify_decides_symbolic_equivalence_when_installed():
+    """With the ``tasks`` extra, an answer equal only symbolically is correct; the home-made
+    check alone cannot see it."""
+    pytest.importorskip("math_verify")
+    from echorl.tasks.checker import answers_match, math_reward
+
+    for predicted, gold in [(r"2\sqrt{2}", r"\sqrt{8}"), (r"\frac{\pi}{2}", r"\pi/2")]:
+        assert not answers_match(predicted, gold)
+        assert math_reward(f"so the answer is \\boxed{{{predicted}}}", gold) == 1.0
+    assert math_reward(r"\boxed{3\sqrt{2}}", r"\sqrt{8}") == 0.0
+
+
+def test_math_reward_falls_back_to_the_home_made_check(monkeypatch):
+    """Without math-verify, plain numbers and fractions are still graded by the home-made check,
+    and a symbolic-only match scores 0 (not an error)."""
+    from echorl.tasks import checker
+
+    monkeypatch.setattr(checker, "_math_verify", lambda: None)
+    assert checker.math_reward(r"\boxed{0.5}", "1/2") == 1.0
+    assert checker.math_reward(r"\boxed{2\sqrt{2}}", r"\sqrt{8}") == 0.0
