@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import trio
+
 log = logging.getLogger("echorl.net.guard")
 
 
@@ -97,9 +99,22 @@ def remote_ip(conn: Any) -> str | None:
     return str(addr[0]) if isinstance(addr, tuple) and addr else None
 
 
-def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard) -> None:
+def _socket_of(conn: Any) -> Any:
+    """The trio socket under a py-libp2p raw TCP connection (None for other transports)."""
+    return getattr(getattr(conn, "stream", None), "socket", None)
+
+
+async def _until_closed(sock: Any, poll_s: float) -> None:
+    while sock.fileno() != -1:
+        await trio.sleep(poll_s)
+
+
+def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard, poll_s: float = 1.0) -> None:
     """Put ``guard`` in front of py-libp2p's inbound connection handler (looked up on the swarm
-    at each accept, so wrapping the instance attribute covers every listener)."""
+    at each accept, so wrapping the instance attribute covers every listener). py-libp2p's
+    handler never returns while the swarm runs (it parks on the swarm's lifetime after the
+    upgrade), so the slot is released, and the parked handler cancelled, once the connection's
+    socket is closed (checked every ``poll_s``)."""
     inner = swarm._handle_inbound_connection
 
     async def guarded(conn: Any, maddr: Any) -> None:
@@ -112,6 +127,17 @@ def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard) -> None:
                 except Exception:  # noqa: BLE001 - closing a refused socket is best effort
                     pass
                 return
-            await inner(conn, maddr)
+            sock = _socket_of(conn)
+            if sock is None:
+                await inner(conn, maddr)
+                return
+            async with trio.open_nursery() as nursery:
+                async def serve() -> None:
+                    await inner(conn, maddr)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(serve)
+                await _until_closed(sock, poll_s)
+                nursery.cancel_scope.cancel()
 
     swarm._handle_inbound_connection = guarded
