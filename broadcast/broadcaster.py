@@ -67,6 +67,7 @@ Serialisation, hashing, delta encoding/application run in worker threads.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,11 +128,15 @@ class Broadcaster:
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
                  straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
                  store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 fetch_limit: RateLimit | None = None, nat_push: bool = True) -> None:
+                 fetch_limit: RateLimit | None = None, nat_push: bool = True,
+                 incarnation: bytes | None = None) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
         self.identity = identity
+        # signed into every manifest: new per learner process, so a resumed learner's versions
+        # are never mistaken for an abandoned branch's under the same numbers
+        self.incarnation = incarnation if incarnation is not None else secrets.token_bytes(16)
         self.run_id = run_id
         self.fanout = fanout
         self.chunk_bytes = chunk_bytes
@@ -257,7 +262,7 @@ class Broadcaster:
                     pass
             manifest, _ = snapshot.build_manifest(
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
-                kind=kind, base_version=base, chunk_bytes=chunk_bytes)
+                kind=kind, base_version=base, chunk_bytes=chunk_bytes, incarnation=self.incarnation)
             return manifest, payload
 
         return await trio.to_thread.run_sync(build)

@@ -91,6 +91,10 @@ class Relay:
         self.pusher = Pusher(self.server, direct=direct)
         self._push_nursery: trio.Nursery | None = None
         self.version = -1
+        # the learner process our node joined under (None: not yet joined): manifests of another
+        # are refused; and the one that signed the version we hold (None: none, or unknown)
+        self.incarnation: bytes | None = None
+        self.held_incarnation: bytes | None = None
         self.result_path: Path | None = None  # the newest verified version's safetensors file
         self._result_digest: bytes | None = None
         self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
@@ -120,7 +124,7 @@ class Relay:
 
         def check() -> None:
             wire.verify(msg, expected_signer=self.learner)
-            snapshot.verify_manifest(msg.manifest, self.learner, self.run_id)
+            snapshot.verify_manifest(msg.manifest, self.learner, self.run_id, self.incarnation)
             if msg.manifest.version != msg.version:
                 raise ProtocolError(ErrorCode.BAD_MANIFEST, "announce and manifest differ in version")
 
@@ -333,6 +337,7 @@ class Relay:
         result = await trio.to_thread.run_sync(
             lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest))
         self._set_result(manifest.version, result, manifest.result_digest)
+        self.held_incarnation = manifest.incarnation
         self.server.chain.hold(manifest, payload)
         await self.server.collect()
 
@@ -368,6 +373,7 @@ class Relay:
 
             digest, serve = await trio.to_thread.run_sync(place)
             self._set_result(version, path, digest)
+            self.held_incarnation = None if manifest is None else manifest.incarnation
             if serve:
                 self.server.chain.hold(manifest, path)  # type: ignore[arg-type]
             await self.server.collect()
@@ -377,6 +383,7 @@ class Relay:
         """Forget every version (the learner restarted from an older checkpoint, or changed)."""
         self.learner = learner_peer_id
         self._set_result(-1, None, None)
+        self.held_incarnation = None
         self.server.chain.clear()
         self.server.states.clear()
         self.known_peers.clear()
@@ -432,7 +439,7 @@ class Relay:
     async def _follow_chain(self, manifests: list[Manifest], holders: list[str]) -> bool:
         for m in manifests:
             try:
-                await trio.to_thread.run_sync(snapshot.verify_manifest, m, self.learner, self.run_id)
+                await trio.to_thread.run_sync(snapshot.verify_manifest, m, self.learner, self.run_id, self.incarnation)
             except ProtocolError as exc:
                 log.warning("catch-up manifest v%d refused: %s", m.version, exc)
                 return False

@@ -130,13 +130,14 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
     try:
         async with open_host(identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
             bc = _broadcaster(cfg, host, identity, limiter)
+            log.info("learner incarnation %s (signed into every manifest)", bc.incarnation.hex())
             # every version a rollout may still claim (t − b ≤ S) is rebuildable from the broadcaster
             spot = await _spot_checker(cfg, loop, bc.version_bytes) if cfg.spot_check_fraction > 0 else None
             service = LearnerService(identity, cfg.run_id, loop.task, loop.eval_backend.tokenizer, loop.buffer,
                                      LeasePolicy.of(cfg, sampling_spec(loop)), int(loop.grpo.model.config.vocab_size),
                                      version=lambda: loop.version, published=loop.version,
                                      required=provisioning.required_rollouts_per_s, summary=lambda: loop.summary,
-                                     spot=spot, ban_after=cfg.spot_check_ban_after)
+                                     spot=spot, ban_after=cfg.spot_check_ban_after, incarnation=bc.incarnation)
             service.ledger.price_per_hour = cfg.price_per_hour
             loop.attach("service", service)
             service.install(host)
@@ -238,6 +239,7 @@ async def _announce(cfg: LearnerConfig, host: Any, nursery: trio.Nursery, task_s
     addrs = host.addrs
     addr = addrs[0]
     membership = Membership(host, cfg.run_id, server=True)
+    membership.pin(host.peer_id)  # our DHT store keeps no one else's learner record
     if cfg.dht:
         await nursery.start(membership.run)
         await membership.publish_learner_record(addrs)

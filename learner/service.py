@@ -29,6 +29,7 @@ standby nodes' lease requests are answered ``lease_deferred`` / ``standby``.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -92,8 +93,9 @@ class LearnerService(Policing):
                  version: Callable[[], int] = lambda: 0, published: int = 0,
                  required: Callable[[], float | None] = lambda: None,
                  summary: Callable[[], dict[str, Any]] = dict,
-                 spot: SpotChecker | None = None, ban_after: int = 3) -> None:
+                 spot: SpotChecker | None = None, ban_after: int = 3, incarnation: bytes | None = None) -> None:
         self.identity = identity
+        self.incarnation = incarnation or secrets.token_bytes(16)  # the broadcaster's: signed into manifests
         self.run_id = run_id
         self.task = task
         self.tokenizer = tokenizer
@@ -216,7 +218,8 @@ class LearnerService(Policing):
         if self.host is not None:
             self.host.add_peer_addrs(ctx.peer_id, list(cap.listen_addrs))
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
-                            staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s)
+                            staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s,
+                            incarnation=self.incarnation)
 
     async def on_lease(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, LeaseRequest)
@@ -237,6 +240,8 @@ class LearnerService(Policing):
             return self._deferred("stopping", retry_after_s=1.0)
         if self.is_standby(ctx.peer_id):
             return self._deferred("standby", retry_after_s=pol.activation_interval_s)
+        if msg.incarnation not in (None, self.incarnation):  # weights of a branch this learner abandoned
+            return self._deferred("weights_unknown", want_version=self.published)
         min_version = pol.min_version(self.version, self.published)
         if msg.version < min_version:
             return self._deferred("weights_too_old", want_version=min_version)
@@ -274,6 +279,10 @@ class LearnerService(Policing):
         rec = self._open_lease(msg, ctx)
         peer = self._peer(ctx)
         b = msg.behaviour_version
+        if msg.incarnation not in (None, self.incarnation):
+            self._settle_refused(rec, msg.nonce, "stale")
+            self.counters["submissions_rejected_stale"] += 1
+            raise ProtocolError(ErrorCode.WRONG_INCARNATION, f"v{b} is of a branch this learner abandoned")
         if self.version - b > self.policy.staleness or b < rec.min_version:
             self._settle_refused(rec, msg.nonce, "stale")
             self.counters["submissions_rejected_stale"] += 1

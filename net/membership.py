@@ -11,6 +11,7 @@ add connected peers to its table by itself, so bootstrap peers are added explici
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
-from echorl.protocol import wire
+from echorl.protocol import limits, wire
 from echorl.protocol.errors import ProtocolError
 from echorl.protocol.messages import JoinAccepted, LearnerRecord
 
@@ -39,17 +40,31 @@ def provider_key(run_id: str) -> str:
 
 
 class _RecordValidator(Validator):
+    """Which learner records a peer stores, passes on and takes. Anyone can sign a record naming
+    itself, and the newest wins a DHT lookup: so a record dated beyond the clock-skew window is
+    invalid (a far-future one would hide every later one for good), and once this peer knows the
+    learner it pinned (``pinned``), a record signed by anyone else is invalid too: never stored
+    here, never selected over the pinned learner's."""
+
+    def __init__(self) -> None:
+        self.pinned: str | None = None
+
     def validate(self, key: str, value: bytes) -> None:
         rec = _decode_record(value)
         if key != learner_key(rec.run_id):
             raise ValueError("learner record stored under another run's key")
+        if rec.created_at > time.time() + limits.MAX_CLOCK_SKEW_S:
+            raise ValueError("learner record dated in the future")
+        if self.pinned is not None and rec.learner_peer_id != self.pinned:
+            raise ValueError(f"learner record of {short_id(rec.learner_peer_id)}, not the pinned learner")
 
     def select(self, key: str, values: list[bytes]) -> int:
         def created(v: bytes) -> float:
             try:
+                self.validate(key, v)
                 return _decode_record(v).created_at
-            except ProtocolError:
-                return -1.0
+            except (ProtocolError, ValueError):
+                return -math.inf
         return max(range(len(values)), key=lambda i: created(values[i]))
 
 
@@ -57,9 +72,14 @@ class Membership:
     def __init__(self, host: Host, run_id: str, server: bool = True) -> None:
         self.host = host
         self.run_id = run_id
-        validator = NamespacedValidator({"echorl": _RecordValidator()})
+        self.records = _RecordValidator()
+        validator = NamespacedValidator({"echorl": self.records})
         self.dht = KadDHT(host.libp2p, DHTMode.SERVER if server else DHTMode.CLIENT, validator=validator,
                           validator_changed=True)
+
+    def pin(self, learner_peer_id: str) -> None:
+        """From now on only records signed by this learner are stored, relayed or taken."""
+        self.records.pinned = learner_peer_id
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self.dht):
@@ -76,13 +96,21 @@ class Membership:
             await self.dht.put_value(learner_key(self.run_id), wire.encode(rec))
 
     async def find_learner_record(self, timeout: float = 10.0) -> LearnerRecord | None:
+        """The learner record the DHT holds, if valid (signed by the learner it names, not dated
+        in the future, and once pinned, by the pinned learner): one that is not is ignored."""
+        key = learner_key(self.run_id)
         with trio.move_on_after(timeout):
-            value = await self.dht.get_value(learner_key(self.run_id))
-            if value is not None:
+            for _ in range(2):  # an invalid value in our own store hides the network's: drop it, ask again
+                value = await self.dht.get_value(key)
+                if value is None:
+                    return None
                 try:
+                    self.records.validate(key, value)  # a value stored before we pinned is checked again
                     return _decode_record(value)
-                except ProtocolError as exc:
-                    log.warning("bad learner record in the DHT: %s", exc)
+                except (ProtocolError, ValueError) as exc:
+                    log.warning("ignoring a learner record in the DHT: %s", exc)
+                    if not self.dht.value_store.remove(key.encode()):
+                        return None
         return None
 
     async def provide(self) -> bool:
@@ -109,6 +137,7 @@ async def find_learner(
     boot = await host.connect(bootstrap)
     expected = pinned or boot
     if membership is not None:
+        membership.pin(expected)
         await membership.add_bootstrap(boot)
         rec = await membership.find_learner_record()
         if rec is not None and rec.run_id == run_id and rec.learner_peer_id == expected != boot:

@@ -349,6 +349,7 @@ async def _session(host: Any, cfg: NodeConfig, state: NodeState, cap: Any, nurse
     _log_observed(host)
     log.info("joined run %s at learner version %d (S=%d) holding v%d", state.run_id, accepted.version,
              accepted.staleness_bound, weights.version)
+    weights.joined(state.learner, accepted.incarnation)  # a restarted learner: drop its abandoned branch
     if weights.version > accepted.version:  # the learner resumed from an older checkpoint
         weights.forget(state.learner)
     if state.membership is not None:
@@ -387,7 +388,7 @@ async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[
     weights = state.weights
     reply = await host.request(state.learner, routes.LEASE,
                                LeaseRequest(run_id=state.run_id, version=weights.version,
-                                            max_prompts=cfg.max_prompts), expect=(Lease, LeaseDeferred, RunEnded))
+                                            max_prompts=cfg.max_prompts, incarnation=weights.incarnation), expect=(Lease, LeaseDeferred, RunEnded))
     state.last_contact = time.monotonic()
     if isinstance(reply, RunEnded):
         await trio.to_thread.run_sync(wire.verify, reply, state.learner)  # only the pinned learner ends our run
@@ -456,13 +457,13 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     t0 = time.perf_counter()
     episode = lease.prompts[0].episode
     if episode is None:
-        version, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
+        version, incarnation, groups = await state.weights.generate([p.text for p in lease.prompts], lease.group_size, params)
     else:
         from echorl.actor.episodes import run_episodes
 
         task = _environment(state, episode)
         seeds = [p.episode.seed if p.episode is not None else episode.seed for p in lease.prompts]
-        version, (_, groups) = await state.weights.run(run_episodes, state.weights.backend, task, seeds,
+        version, incarnation, (_, groups) = await state.weights.run(run_episodes, state.weights.backend, task, seeds,
                                                        lease.group_size, params, episode.max_tokens)
     seconds = time.perf_counter() - t0
     wire_groups = [
@@ -473,7 +474,8 @@ async def _generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
         for p, g in zip(lease.prompts, groups)
     ]
     submit = Submit(run_id=state.run_id, lease_id=lease.lease_id, peer_id=host.peer_id, behaviour_version=version,
-                    groups=wire_groups, generate_seconds=seconds, nonce=secrets.token_bytes(16))
+                    groups=wire_groups, generate_seconds=seconds, nonce=secrets.token_bytes(16),
+                    incarnation=incarnation)
     submit = await trio.to_thread.run_sync(wire.sign, submit, host.identity)
     state.groups_generated += len(wire_groups)
     state.tokens_generated += sum(len(s.token_ids) for g in wire_groups for s in g.samples)

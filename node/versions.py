@@ -41,6 +41,7 @@ class NodeWeights:
     backend: Any
     upload_limit: Any = None
     version: int = -1  # loaded into the backend (the behaviour version of new rollouts)
+    incarnation: bytes | None = None  # the learner incarnation that signed ``version``
     relay: Any = None
     lock: trio.Lock = field(default_factory=trio.Lock)  # held while generating or loading
     changed: trio.Event = field(default_factory=trio.Event)
@@ -78,7 +79,7 @@ class NodeWeights:
             log.info("no usable on-disk snapshot in %s: weights come from the network", self.keeper.state_dir)
             return
         try:
-            loaded = await self._load(snap.version, snap.path, "disk")
+            loaded = await self._load(snap.version, snap.path, "disk", snap.manifest.incarnation)
         except Exception as exc:  # noqa: BLE001 - a snapshot the backend refuses is only a cache miss
             log.warning("on-disk snapshot v%d does not load (%s): discarding it", snap.version, exc)
             self.keeper.discard()
@@ -90,12 +91,26 @@ class NodeWeights:
             log.info("resumed from on-disk snapshot v%d (%s, %d bytes)", snap.version, snap.manifest.kind,
                      snap.manifest.result_bytes)
 
+    def joined(self, learner: str, incarnation: bytes) -> None:
+        """The learner accepted our join under ``incarnation``: from now on only its manifests
+        are taken; a version we hold from another (the branch a learner resumed from an older
+        checkpoint abandoned, or a snapshot that predates incarnations) is dropped, never
+        served or leased against, and the node catches up to the new branch."""
+        relay = self.relay
+        stale = (relay.version >= 0 and relay.held_incarnation != incarnation) or \
+                (self.version >= 0 and self.incarnation != incarnation)
+        if stale:
+            log.warning("the learner restarted (new incarnation): v%d is of the branch it left", self.version)
+            self.forget(learner)
+        relay.incarnation = incarnation
+
     def forget(self, learner: str) -> None:
         """Drop every version (the learner changed or went back to an older checkpoint), on disk
         too: a learner that went back signs new weights under the same version numbers."""
         log.warning("forgetting weights v%d (learner restarted or changed)", self.version)
         self.relay.reset(learner)
         self.version = -1
+        self.incarnation = None
         if self.keeper is not None:
             self.keeper.discard()
 
@@ -106,10 +121,10 @@ class NodeWeights:
 
     async def _on_version(self, version: int, path: Path) -> None:
         """Relay callback: a verified version (broadcast or catch-up) → the backend (and disk)."""
-        if await self._load(version, path, self._via):
+        if await self._load(version, path, self._via, self.relay.held_incarnation):
             await self._keep(self._relay_manifest(version), path)
 
-    async def _load(self, version: int, path: Path, how: str) -> bool:
+    async def _load(self, version: int, path: Path, how: str, incarnation: bytes | None) -> bool:
         """Load ``version`` (its verified safetensors file, opened lazily per tensor) into the
         backend unless we hold it or newer; True if loaded."""
         if version <= self.version:
@@ -119,7 +134,7 @@ class NodeWeights:
             if version <= self.version:
                 return False
             await trio.to_thread.run_sync(self.backend.load_state_dict, sd, version)
-            self.version = version
+            self.version, self.incarnation = version, incarnation
         self.loads[how] = self.loads.get(how, 0) + 1
         self.changed.set()
         self.changed = trio.Event()
@@ -139,18 +154,19 @@ class NodeWeights:
         state = self.relay.server.states.get(version)
         return manifest or (None if state is None else state.manifest)
 
-    async def generate(self, *args: Any) -> tuple[int, Any]:
+    async def generate(self, *args: Any) -> tuple[int, bytes | None, Any]:
         """``backend.generate(*args)`` in a worker thread with no version change meanwhile;
-        returns (behaviour version, groups)."""
+        returns (behaviour version, its incarnation, groups)."""
         return await self.run(self.backend.generate, *args)
 
-    async def run(self, fn: Any, *args: Any) -> tuple[int, Any]:
+    async def run(self, fn: Any, *args: Any) -> tuple[int, bytes | None, Any]:
         """``fn(*args)`` (sampling with ``self.backend``: completions or episodes) in a worker
-        thread with no version change meanwhile; returns (behaviour version, its result)."""
+        thread with no version change meanwhile; returns (behaviour version, the incarnation
+        that signed it, its result)."""
         async with self.lock:
-            version = self.version
+            version, incarnation = self.version, self.incarnation
             result = await trio.to_thread.run_sync(fn, *args)
-        return version, result
+        return version, incarnation, result
 
     async def ensure(self, target: int = 0) -> None:
         """Reach version ≥ ``target``: wait briefly for the broadcast in flight, then catch up

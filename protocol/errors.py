@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     UNPUBLISHED_VERSION = "unpublished_version"  # behaviour version the learner never published or no longer holds
     UNVERIFIABLE = "unverifiable"  # a flagged peer's submission whose spot check cannot run
     REFUSED = "refused"  # the learner refuses this peer (e.g. its leases keep expiring)
+    WRONG_INCARNATION = "wrong_incarnation"  # a version of another learner incarnation (an abandoned --resume branch)
     ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
     PEER_LIMIT = "peer_limit"  # too many peers from this address have joined (or hold connections) already
 

@@ -28,6 +28,8 @@ LogProb = Annotated[float, Field(ge=limits.MIN_LOGPROB, le=0.0, allow_inf_nan=Fa
 Nonce = Annotated[bytes, Field(min_length=16, max_length=32)]
 Signature = Annotated[bytes, Field(min_length=64, max_length=64)]
 Digest = Annotated[bytes, Field(min_length=32, max_length=32)]  # SHA-256
+# random per learner start (a ``--resume`` starts a new branch): versions of another are not this run's
+Incarnation = Annotated[bytes, Field(min_length=16, max_length=16)]
 Scalar = Union[bool, int, Finite, Text, None]
 ScalarMap = Annotated[dict[Name, Scalar], Field(max_length=128)]
 
@@ -96,6 +98,7 @@ class JoinAccepted(Message):
     version: Version  # newest published version
     staleness_bound: Count
     heartbeat_s: NonNegFinite
+    incarnation: Incarnation  # the learner's: manifests of another are an abandoned branch's
 
 
 # --- work --------------------------------------------------------------------------------------
@@ -125,11 +128,13 @@ class LeasePrompt(OptionalFieldsModel):
     episode: EpisodeSpec | None = None  # set: run G episodes of this seed instead of G completions
 
 
-class LeaseRequest(Message):
+class LeaseRequest(Message, OptionalFieldsModel):
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("incarnation",)
     type: Literal["lease_request"] = "lease_request"
     run_id: RunId
     version: Version  # the node's current version; the learner leases only if it is fresh enough
     max_prompts: Annotated[int, Field(ge=1, le=limits.MAX_PROMPTS_PER_LEASE)]
+    incarnation: Incarnation | None = None  # of ``version``'s manifest; another: ``weights_unknown``
 
 
 class Lease(Message):
@@ -208,11 +213,12 @@ class RolloutGroup(WireModel):
     samples: Annotated[list[Sample], Field(min_length=1, max_length=limits.MAX_GROUP_SIZE)]
 
 
-class Submit(Message):
+class Submit(Message, OptionalFieldsModel):
     """Signed rollouts for one lease. Replay defence: the lease id is single-use, the nonce is
     fresh, and the signer must be the stream's remote peer."""
 
     SIGNED: ClassVar[bool] = True
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("incarnation",)
     type: Literal["submit"] = "submit"
     run_id: RunId
     lease_id: Name
@@ -222,6 +228,7 @@ class Submit(Message):
     generate_seconds: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)]  # the learner floors it
     nonce: Nonce
     signature: Signature = b"\0" * 64
+    incarnation: Incarnation | None = None  # of the behaviour version; another: ``wrong_incarnation``
 
 
 class Receipt(Message):
@@ -274,7 +281,7 @@ class TensorEntry(WireModel):
     digest: Digest  # SHA-256 of the tensor's raw bytes in version ``version``
 
 
-class Manifest(Message):
+class Manifest(Message, OptionalFieldsModel):
     """A policy version as a list of content-addressed chunks, signed by the learner.
 
     ``kind == "full"``: the chunks concatenate to the version's safetensors file.
@@ -298,6 +305,7 @@ class Manifest(Message):
     result_digest: Digest  # SHA-256 of the version's safetensors file
     created_at: Finite
     signature: Signature = b"\0" * 64
+    incarnation: Incarnation | None = None
 
 
 class ChunkRequest(Message):

@@ -135,6 +135,7 @@ def build_manifest(
     kind: str = "full",
     base_version: int = -1,
     chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES,
+    incarnation: bytes | None = None,
 ) -> tuple[Manifest, list[memoryview]]:
     """Cut ``payload`` into chunks (views into it) and sign a manifest for it. ``result`` is the
     version's safetensors file (equal to ``payload`` for a full version)."""
@@ -153,6 +154,7 @@ def build_manifest(
         result_bytes=len(result),
         result_digest=digest(result),
         created_at=time.time(),
+        incarnation=incarnation,
     )
     return sign(manifest, identity), chunks
 
@@ -164,11 +166,17 @@ def manifest_wire_bytes(manifest: Manifest) -> int:
     return 52 * len(manifest.chunks) + tensors + 1024
 
 
-def verify_manifest(manifest: Manifest, learner_peer_id: str, run_id: str | None = None) -> None:
-    """Signature by the pinned learner, and internal consistency. Raises ``ProtocolError``."""
+def verify_manifest(manifest: Manifest, learner_peer_id: str, run_id: str | None = None,
+                    incarnation: bytes | None = None) -> None:
+    """Signature by the pinned learner, and internal consistency; with ``incarnation`` (the
+    one the learner joined us under), signed by that learner process: a version of an abandoned
+    branch (same key, same version numbers, other weights) is refused. Raises ``ProtocolError``."""
     verify(manifest, expected_signer=learner_peer_id)
     if run_id is not None and manifest.run_id != run_id:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, f"manifest is for run {manifest.run_id!r}")
+    if incarnation is not None and manifest.incarnation != incarnation:
+        raise ProtocolError(ErrorCode.WRONG_INCARNATION, f"manifest v{manifest.version} is of another learner "
+                                                         "incarnation (a branch the learner abandoned)")
     if manifest.version < 0 or manifest.parent_version >= manifest.version:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, "version must be >= 0 and newer than its parent")
     sizes = [c.size for c in manifest.chunks]

@@ -95,7 +95,7 @@ def run_trio(fn, *args):
     return trio.run(fn, *args)
 
 
-def signed_submit(me, lease, version: int, signer=None, token_ids=(5, 6), logprobs=(-1.0, -2.0)):
+def signed_submit(me, lease, version: int, signer=None, token_ids=(5, 6), logprobs=(-1.0, -2.0), incarnation=None):
     """A ``Submit`` answering every prompt of ``lease`` with the same fabricated sample, named
     after and signed by ``signer`` (default ``me``): the foreign peer of the attack tests."""
     import secrets
@@ -107,7 +107,7 @@ def signed_submit(me, lease, version: int, signer=None, token_ids=(5, 6), logpro
     groups = [RolloutGroup(prompt_id=p.prompt_id, samples=[sample] * lease.group_size) for p in lease.prompts]
     signer = signer or me
     msg = Submit(run_id="echorl-demo", lease_id=lease.lease_id, peer_id=signer.peer_id, behaviour_version=version,
-                 groups=groups, generate_seconds=0.1, nonce=secrets.token_bytes(16))
+                 groups=groups, generate_seconds=0.1, nonce=secrets.token_bytes(16), incarnation=incarnation)
     return wire.sign(msg, signer)
 
 

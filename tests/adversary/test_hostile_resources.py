@@ -15,7 +15,7 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from echorl.broadcast.broadcaster import ANNOUNCE, DONE, Broadcaster, NodeInfo
+from echorl.broadcast.broadcaster import DONE, Broadcaster, NodeInfo
 from echorl.learner.buffer import StalenessBuffer
 from echorl.learner.service import LearnerService, LeasePolicy
 from echorl.protocol import routes
@@ -24,8 +24,9 @@ from echorl.net.host import RequestContext, open_host
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
-from echorl.protocol.messages import BroadcastAck, BroadcastDone, Lease, LeaseDeferred, LeaseRequest, PlanAnnounce
+from echorl.protocol.messages import BroadcastDone, Lease, LeaseDeferred, LeaseRequest
 
+from hostile import plan_member
 from test_hostile_rollouts import RUN, _join, _service, tiny  # noqa: F401 - fixture
 
 
@@ -78,20 +79,6 @@ def test_unjoined_peer_big_submit_is_refused_unread(tiny) -> None:  # noqa: F811
     trio.run(main)
 
 
-def _member(host, nursery: trio.Nursery, learner: str, report: bool) -> None:
-    """Make ``host`` a plan member that acknowledges every announce; it reports done only if ``report``."""
-
-    async def on_announce(msg, ctx):
-        assert isinstance(msg, PlanAnnounce)
-        if report:
-            done = BroadcastDone(run_id=RUN, version=msg.version, ok=True, seconds=0.1, recovered_chunks=0,
-                                 suspects=[], detail="")
-            nursery.start_soon(host.request, learner, DONE, done)
-        return BroadcastAck(run_id=RUN, version=msg.version, have_version=msg.version)
-
-    host.route(ANNOUNCE, on_announce, request=PlanAnnounce)
-
-
 def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
     from safetensors.numpy import save
 
@@ -101,8 +88,8 @@ def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
                 open_host(Identity.generate()) as silent, trio.open_nursery() as nursery:
             bc = Broadcaster(host, identity, RUN, direct=False, straggler_floor_s=1.0, done_timeout_s=60.0)
             bc.install()
-            _member(good, nursery, host.peer_id, report=True)
-            _member(silent, nursery, host.peer_id, report=False)
+            plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
+            plan_member(silent, nursery, host.peer_id, report=False, run_id=RUN)
             nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, silent)]
             report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
             assert report.completed == [good.peer_id] and report.missing == [silent.peer_id]

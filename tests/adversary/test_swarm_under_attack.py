@@ -7,40 +7,19 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
-import struct
-import time
 
 import trio
-from libp2p.peer.id import ID
 
-from echorl.protocol import routes
-from echorl.net.framing import read_frame
 from echorl.net.host import open_host
-from echorl.protocol import wire
+from echorl.protocol import routes, wire
 from echorl.protocol.identity import Identity
-from echorl.protocol.messages import (
-    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest,
-)
+from echorl.protocol.messages import LeaseRequest, Status, StatusRequest
 
+from hostile import framed, join, newest_lease, nonfinite_logprob_body, oversized_header, raw_request
 from swarm import remote_code, signed_submit
 
 CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 2, "group_size": 2, "staleness": 2, "eval_every": 100000,
           "steps": 0, "spot_check_fraction": 0.0, "checkpoint_dir": "none"}
-
-
-async def _lease(host, learner: str) -> tuple[Lease, int]:
-    """A lease for the newest published version (the learner names it when asked for a newer one)."""
-    version = 2**40
-    for _ in range(400):
-        reply = await host.request(learner, routes.LEASE, LeaseRequest(run_id="echorl-demo", version=version,
-                                                                       max_prompts=2), expect=(Lease, LeaseDeferred))
-        if isinstance(reply, Lease):
-            return reply, version
-        if reply.want_version >= 0:
-            version = reply.want_version
-        await trio.sleep(max(0.05, min(reply.retry_after_s, 1.0)))
-    raise AssertionError("no lease")
 
 
 async def attack(addr: str) -> dict:
@@ -50,34 +29,21 @@ async def attack(addr: str) -> dict:
         learner = await host.connect(addr)
         # a peer that never joined: a 4 MiB SUBMIT header is answered at once, unread
         await stranger.connect(addr)
-        stream = await stranger.libp2p.new_stream(ID.from_base58(learner), [routes.SUBMIT])
-        await stream.write(struct.pack(">I", 4 * 1024 * 1024) + b"\0" * 64)
         with trio.fail_after(5):
-            out["unjoined_frame"] = wire.decode(await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=5,
-                                                                 io_timeout=5)).code
-        cap = Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=0.0, price_per_hour=0.0,
-                         reachable=True, listen_addrs=[host.addrs[0]])
-        join = JoinRequest(run_id="echorl-demo", peer_id=me.peer_id, capability=cap, version=-1,
-                           timestamp=time.time(), nonce=secrets.token_bytes(16))
-        await host.request(learner, routes.JOIN, wire.sign(join, me), expect=JoinAccepted)
+            out["unjoined_frame"] = await raw_request(stranger, learner, routes.SUBMIT, oversized_header(4 << 20), 5)
+        await join(host, learner, me, tokens_per_s=0.0)
         submit = lambda msg: remote_code(host.request(learner, routes.SUBMIT, msg))  # noqa: E731
 
-        lease, v = await _lease(host, learner)
+        lease, v = await newest_lease(host, learner)
         hoard = await host.request(learner, routes.LEASE, LeaseRequest(run_id="echorl-demo", version=0, max_prompts=2))
         out["second_lease"] = getattr(hoard, "reason", type(hoard).__name__)
-        poison = signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,))
-        body = bytearray(wire.encode(poison))
-        at = body.find(b"\xcb\xbf\xf0\x00\x00\x00\x00\x00\x00")  # float64 -1.0 -> ≈ -1e300
-        body[at + 1: at + 9] = bytes.fromhex("fe3c9e7d1f2a4c3b")
-        stream = await host.libp2p.new_stream(ID.from_base58(learner), [routes.SUBMIT])
-        await stream.write(struct.pack(">I", len(body)) + bytes(body))
-        out["logprob_-1e300"] = wire.decode(await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=10,
-                                                             io_timeout=10)).code
+        poison = nonfinite_logprob_body(signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,)))
+        out["logprob_-1e300"] = await raw_request(host, learner, routes.SUBMIT, framed(poison), 10)
         st = (await host.request(learner, routes.STATUS, StatusRequest(), expect=Status)).learner
         out["unpublished"] = await submit(signed_submit(me, lease, int(st["version"]) + 1, token_ids=(4,), logprobs=(-1.0,)))
-        lease, v = await _lease(host, learner)
+        lease, v = await newest_lease(host, learner)
         out["after_eos"] = await submit(signed_submit(me, lease, v, token_ids=(4, 1, 5), logprobs=(-1.0,) * 3))
-        lease, v = await _lease(host, learner)
+        lease, v = await newest_lease(host, learner)
         tiny_time = signed_submit(me, lease, v, token_ids=(4,), logprobs=(-80.0,))
         tiny_time = wire.sign(tiny_time.model_copy(update={"generate_seconds": 5e-324}), me)
         out["tiny_time_far_logprob"] = await submit(tiny_time)

@@ -18,15 +18,17 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
                                kind="full", base_version=-1, chunk_bytes=4, payload_bytes=4,
                                chunks=[m.ChunkRef(digest=digest, size=4)],
                                tensors=[m.TensorEntry(name="w", dtype="F32", shape=[1], digest=digest)],
-                               result_bytes=4, result_digest=digest, created_at=time.time()), learner)
+                               result_bytes=4, result_digest=digest, created_at=time.time(),
+                               incarnation=b"i" * 16), learner)
     receipt = sign(m.Receipt(run_id="run-1", learner_peer_id=learner.peer_id, peer_id=node.peer_id, lease_id="L-1",
                              seq=7, groups_submitted=2, groups=1, tokens=6, behaviour_version=4, learner_version=5,
                              issued_at=time.time()), learner)
     return [
         sign(m.JoinRequest(run_id="run-1", peer_id=node.peer_id, capability=cap, version=3,
                            timestamp=time.time(), nonce=b"n" * 16), node),
-        m.JoinAccepted(run_id="run-1", learner_peer_id=learner.peer_id, version=4, staleness_bound=2, heartbeat_s=1.0),
-        m.LeaseRequest(run_id="run-1", version=4, max_prompts=16),
+        m.JoinAccepted(run_id="run-1", learner_peer_id=learner.peer_id, version=4, staleness_bound=2, heartbeat_s=1.0,
+                       incarnation=b"i" * 16),
+        m.LeaseRequest(run_id="run-1", version=4, max_prompts=16, incarnation=b"i" * 16),
         m.Lease(lease_id="L-1", run_id="run-1", prompts=[m.LeasePrompt(prompt_id="p1", text="12+34=")],
                 group_size=8, sampling=m.SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=8, stop=["\n"]),
                 min_version=2, deadline_s=30.0),

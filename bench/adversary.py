@@ -1,0 +1,338 @@
+"""Honest goodput under attack: each attack class running vs none, against one real learner.
+
+    python bench/adversary.py --json                       # every class, 30 s windows
+    python bench/adversary.py --json --window 20 --only lease_hoarder,half_open_tcp
+
+One learner process and ``--nodes`` honest node processes (``tests/swarm.py``) on loopback, the
+tiny default model. For each attack class in turn: a clean window (no attack) of ``--window``
+seconds, then an attack window of the same length in which one hostile peer (or a crowd, for
+the Sybil flood and half-open connections) runs that class's attack in this process
+(``tests/hostile.py`` has the doubles), then the next clean window. Measured per window from the
+learner's metrics rows: honest goodput (rollout groups of the honest nodes accepted, per second)
+and optimizer steps per second. The baseline of an attack window is the mean of the clean
+windows just before and just after it, in the same learner run, so a drift of the machine's
+load or of the run itself (steps get faster as completions get shorter) is shared by both.
+
+One JSON line per class (``--json``): ``attack``, ``goodput_ratio`` and ``steps_ratio``
+(attack / clean), ``clean_goodput``, ``attack_goodput``, ``clean_steps_per_s``,
+``attack_steps_per_s``, ``window_s``, ``learner_alive``, ``attacker_saw`` (what the learner
+answered the attacker, by code) and ``loadavg``. The target is ≥ 0.8 for every class.
+
+Each class is one small function below (``ATTACKS``); add one there to measure a new attack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the shared hostile doubles and the process swarm
+
+from echorl.broadcast.broadcaster import DONE  # noqa: E402
+from echorl.net.host import RemoteError, open_host  # noqa: E402
+from echorl.protocol import routes  # noqa: E402
+from echorl.protocol.identity import Identity, load_identity, short_id  # noqa: E402
+from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest  # noqa: E402
+from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+from hostile import (  # noqa: E402
+    RUN, empty_completion_body, fake_done, framed, join, newest_lease, nonfinite_logprob_body, oversized_header,
+    plan_member, raw_request,
+)
+from swarm import Swarm, signed_submit  # noqa: E402
+
+CONFIG = {"eval_every": 100000, "steps": 0, "checkpoint_dir": "none"}  # the learner's defaults otherwise
+# the adversary tests' small run: its in-flight cap is B·(S − 1) = 4 prompts, so one lease of 2
+# held by an attacker is half the budget (see the report's note on --small)
+SMALL = {"prompts_per_step": 4, "prompts_per_lease": 2, "group_size": 2, "staleness": 2}
+
+
+@dataclass
+class Target:
+    addr: str  # the learner's multiaddr
+    learner: str  # its peer id
+    honest: list[str]  # the honest nodes' peer ids
+
+
+Attack = Callable[[Target, Counter], Awaitable[None]]
+ATTACKS: dict[str, Attack] = {}
+
+
+def attack(name: str) -> Callable[[Attack], Attack]:
+    def register(fn: Attack) -> Attack:
+        ATTACKS[name] = fn
+        return fn
+    return register
+
+
+async def forever(step: Callable[[], Awaitable[str]], seen: Counter, pause: float = 0.0) -> None:
+    """Repeat one hostile request, counting what the learner answered (an attacker never stops
+    on a refusal)."""
+    while True:
+        try:
+            seen[await step()] += 1
+        except RemoteError as exc:
+            seen[exc.code.value] += 1
+        except Exception as exc:  # noqa: BLE001 - unreachable, timed out, reset: the attacker tries again
+            seen[type(exc).__name__] += 1
+            await trio.sleep(0.2)
+        await trio.sleep(pause)
+
+
+@asynccontextmanager
+async def joined(t: Target, tokens_per_s: float = 1.0) -> AsyncIterator[tuple[Any, Identity]]:
+    me = Identity.generate()
+    async with open_host(me) as host:
+        await host.connect(t.addr)
+        await join(host, t.learner, me, tokens_per_s)
+        yield host, me
+
+
+async def published(host: Any, t: Target) -> int:
+    st = await host.request(t.learner, routes.STATUS, StatusRequest(), expect=Status)
+    return int(st.learner.get("published_version", st.learner.get("version", 0)) or 0)
+
+
+def lease_then(host: Any, me: Identity, t: Target, submit: Callable[[Lease, int], Awaitable[str]]):
+    async def step() -> str:
+        lease, v = await newest_lease(host, t.learner, tries=100)
+        return await submit(lease, v)
+    return step
+
+
+@attack("nonfinite_logprobs")
+async def nonfinite_logprobs(t: Target, seen: Counter) -> None:
+    """Alternately a −1e300 behaviour log-prob (−inf as float32) and a finite −80 one."""
+    async with joined(t) as (host, me):
+        flip = [False]
+
+        async def submit(lease: Lease, v: int) -> str:
+            flip[0] = not flip[0]
+            if flip[0]:
+                body = nonfinite_logprob_body(signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,)))
+                return await raw_request(host, t.learner, routes.SUBMIT, framed(body))
+            await host.request(t.learner, routes.SUBMIT, signed_submit(me, lease, v, token_ids=(4,), logprobs=(-80.0,)))
+            return "accepted_-80"
+        await forever(lease_then(host, me, t, submit), seen)
+
+
+@attack("empty_completions")
+async def empty_completions(t: Target, seen: Counter) -> None:
+    async with joined(t) as (host, me):
+        async def submit(lease: Lease, v: int) -> str:
+            return await raw_request(host, t.learner, routes.SUBMIT, framed(empty_completion_body(lease, v, me)))
+        await forever(lease_then(host, me, t, submit), seen)
+
+
+async def fabricated(t: Target, seen: Counter, token_ids: tuple[int, ...], version_ahead: int = 0) -> None:
+    """Lease, then submit a fabricated sample (``token_ids``) claiming the leased version plus
+    ``version_ahead``, forever."""
+    async with joined(t) as (host, me):
+        async def submit(lease: Lease, v: int) -> str:
+            msg = signed_submit(me, lease, v + version_ahead, token_ids=token_ids, logprobs=(-1.0,) * len(token_ids))
+            await host.request(t.learner, routes.SUBMIT, msg)
+            return "accepted"
+        await forever(lease_then(host, me, t, submit), seen)
+
+
+@attack("tokens_after_eos")
+async def tokens_after_eos(t: Target, seen: Counter) -> None:
+    await fabricated(t, seen, (4, 1, 5))  # 1: the tiny model's EOS
+
+
+@attack("unpublished_versions")
+async def unpublished_versions(t: Target, seen: Counter) -> None:
+    await fabricated(t, seen, (4,), version_ahead=1)
+
+
+@attack("lease_hoarder")
+async def lease_hoarder(t: Target, seen: Counter) -> None:
+    """~25 lease requests a second, a declared 0 tok/s, never a submission."""
+    async with joined(t, tokens_per_s=0.0) as (host, _):
+        version = [2**40]
+
+        async def ask() -> str:
+            reply = await host.request(t.learner, routes.LEASE, LeaseRequest(run_id=RUN, version=version[0],
+                                                                             max_prompts=2))
+            if isinstance(reply, LeaseDeferred):
+                version[0] = reply.want_version if reply.want_version >= 0 else version[0]
+                return reply.reason
+            return "lease" if isinstance(reply, Lease) else type(reply).__name__
+        await forever(ask, seen, pause=0.04)
+
+
+@attack("silent_plan_member")
+async def silent_plan_member(t: Target, seen: Counter) -> None:
+    """Joins as a reachable node, acknowledges every plan announce, never reports done."""
+    async with joined(t) as (host, _), trio.open_nursery() as nursery:
+        plan_member(host, nursery, t.learner, report=False)
+        seen["joined"] += 1
+        await trio.sleep_forever()
+
+
+@attack("fake_broadcast_done")
+async def fake_broadcast_done(t: Target, seen: Counter) -> None:
+    """Ten times a second: 'the honest nodes sent me bad chunks' for the newest version."""
+    async with joined(t) as (host, _):
+        async def accuse() -> str:
+            await host.request(t.learner, DONE, fake_done(await published(host, t), t.honest))
+            return "accepted"
+        await forever(accuse, seen, pause=0.1)
+
+
+@attack("oversized_unauthenticated_frames")
+async def oversized_unauthenticated_frames(t: Target, seen: Counter) -> None:
+    """A peer that never joined: four streams at a time announcing a 16 MiB SUBMIT body."""
+    async with open_host(Identity.generate()) as stranger:
+        await stranger.connect(t.addr)
+
+        async def frame() -> str:
+            return await raw_request(stranger, t.learner, routes.SUBMIT, oversized_header(16 << 20, 64 << 10))
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(forever, frame, seen)
+
+
+@attack("sybil_flood")
+async def sybil_flood(t: Target, seen: Counter, identities: int = 48) -> None:
+    """Many fresh identities (each its own host and connection) join with 0 tok/s and keep
+    asking for leases they never answer."""
+    async def one() -> None:
+        try:
+            async with joined(t, tokens_per_s=0.0) as (host, _):
+                seen["joined"] += 1
+                version = [2**40]
+
+                async def ask() -> str:
+                    reply = await host.request(t.learner, routes.LEASE,
+                                               LeaseRequest(run_id=RUN, version=version[0], max_prompts=2))
+                    if isinstance(reply, LeaseDeferred):
+                        version[0] = reply.want_version if reply.want_version >= 0 else version[0]
+                        return reply.reason
+                    return "lease"
+                await forever(ask, seen, pause=1.0)
+        except Exception as exc:  # noqa: BLE001 - a refused join is the defence working
+            seen[f"join_{getattr(getattr(exc, 'code', None), 'value', type(exc).__name__)}"] += 1
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(identities):
+            nursery.start_soon(one)
+            await trio.sleep(0.05)
+
+
+@attack("half_open_tcp")
+async def half_open_tcp(t: Target, seen: Counter, connections: int = 300) -> None:
+    """Raw TCP connections to the learner's port that never start a handshake, held open."""
+    m = re.search(r"/ip4/([\d.]+)/tcp/(\d+)", t.addr)
+    assert m, t.addr
+    held = []
+    try:
+        for _ in range(connections):
+            try:
+                held.append(await trio.open_tcp_stream(m.group(1), int(m.group(2))))
+                seen["held"] += 1
+            except OSError as exc:
+                seen[type(exc).__name__] += 1
+        await trio.sleep_forever()
+    finally:
+        for s in held:
+            s.socket.close()
+
+
+# --- the harness ------------------------------------------------------------------------------
+def honest_totals(swarm: Swarm, honest_short: set[str]) -> tuple[int, int]:
+    """(steps, honest groups accepted) of the learner's newest metrics row."""
+    rows = [r for r in swarm.metrics() if r.get("step", 0) > 0]
+    if not rows:
+        return 0, 0
+    last = rows[-1]
+    return int(last["step"]), sum(n for p, n in (last.get("per_node_groups") or {}).items() if p in honest_short)
+
+
+async def window(swarm: Swarm, honest_short: set[str], seconds: float, target: Target,
+                 fn: Attack | None) -> tuple[float, float, Counter]:
+    """(honest groups/s, steps/s, the attacker's counts) over ``seconds`` with ``fn`` running."""
+    seen: Counter = Counter()
+    async with trio.open_nursery() as nursery:
+        s0, g0 = honest_totals(swarm, honest_short)
+        t0 = time.monotonic()
+        if fn is not None:
+            nursery.start_soon(fn, target, seen)
+        await trio.sleep(seconds)
+        s1, g1 = honest_totals(swarm, honest_short)
+        dt = time.monotonic() - t0
+        nursery.cancel_scope.cancel()
+    return (g1 - g0) / dt, (s1 - s0) / dt, seen
+
+
+async def run(args: argparse.Namespace, swarm: Swarm, tmp: Path) -> list[dict[str, Any]]:
+    names = args.only.split(",") if args.only else list(ATTACKS)
+    unknown = set(names) - set(ATTACKS)
+    if unknown:
+        raise SystemExit(f"unknown attack class: {', '.join(sorted(unknown))} (known: {', '.join(ATTACKS)})")
+    addr = swarm.addr
+    honest = [load_identity(tmp / f"honest{i}.key").peer_id for i in range(args.nodes)]
+    target = Target(addr, addr.rsplit("/p2p/", 1)[1], honest)
+    short = {short_id(p) for p in honest}
+    out = []
+    before = await window(swarm, short, args.window, target, None)
+    for name in names:
+        att_g, att_s, seen = await window(swarm, short, args.window, target, ATTACKS[name])
+        alive = swarm.learner.poll() is None
+        after = await window(swarm, short, args.window, target, None)
+        clean_g, clean_s = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+        out.append({"attack": name, "goodput_ratio": round(att_g / clean_g, 3) if clean_g else None,
+                    "steps_ratio": round(att_s / clean_s, 3) if clean_s else None,
+                    "clean_goodput": round(clean_g, 3), "attack_goodput": round(att_g, 3),
+                    "clean_steps_per_s": round(clean_s, 3), "attack_steps_per_s": round(att_s, 3),
+                    "window_s": args.window, "learner_alive": alive,
+                    "attacker_saw": dict(seen.most_common(8)), "loadavg": [round(x, 2) for x in os.getloadavg()],
+                    "baseline": "mean of the clean windows just before and just after, same learner run",
+                    "nodes": args.nodes, "config": "small" if args.small else "defaults"})
+        before = after
+        if args.json:
+            print(json.dumps(out[-1]), flush=True)
+        else:
+            emit(out[-1], False)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--window", type=float, default=30.0, help="seconds per clean and per attack window")
+    p.add_argument("--nodes", type=int, default=2, help="honest node processes")
+    p.add_argument("--only", default="", help="comma-separated attack classes (default: all)")
+    p.add_argument("--small", action="store_true", help="the adversary tests' small run (B=4, S=2, 2-prompt leases)")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="echorl-adversary-") as d:
+        tmp = Path(d)
+        (tmp / "learner.json").write_text(json.dumps({**CONFIG, **(SMALL if args.small else {})}))
+        swarm = Swarm(tmp)
+        try:
+            swarm.start_learner("--config", str(tmp / "learner.json"))
+            for i in range(args.nodes):
+                swarm.start_node(f"honest{i}")
+            swarm.wait_for(lambda: honest_totals(swarm, set())[0] >= 3, timeout=300, what="3 clean steps")
+            trio.run(run, args, swarm, tmp)
+        finally:
+            swarm.stop()
+
+
+if __name__ == "__main__":
+    main()

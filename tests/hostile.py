@@ -1,0 +1,120 @@
+"""Hostile peers over real libp2p hosts: the doubles the adversary tests and
+``bench/adversary.py`` share. Each helper does one hostile (or setup) thing and returns what the
+learner answered; nothing here asserts."""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import time
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from echorl.broadcast.broadcaster import ANNOUNCE, DONE
+from echorl.net.framing import read_frame
+from echorl.protocol import routes, wire
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import (
+    BroadcastAck, BroadcastDone, Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest,
+    PlanAnnounce, RolloutGroup, Sample, Submit,
+)
+
+RUN = "echorl-demo"
+NEG_ONE_F64 = b"\xcb\xbf\xf0\x00\x00\x00\x00\x00\x00"  # msgpack float64 -1.0
+NEAR_NEG_1E300 = bytes.fromhex("fe3c9e7d1f2a4c3b")  # a finite float64 ≈ -1e300 (float32: -inf)
+
+
+def capability(addrs: list[str], tokens_per_s: float = 1.0) -> Capability:
+    return Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=tokens_per_s, price_per_hour=0.0,
+                      reachable=True, listen_addrs=addrs[:16])
+
+
+async def join(host: Any, learner: str, me: Identity, tokens_per_s: float = 1.0, run_id: str = RUN) -> JoinAccepted:
+    """Join as a (so far) well-behaved node."""
+    msg = JoinRequest(run_id=run_id, peer_id=me.peer_id, capability=capability(list(host.addrs), tokens_per_s),
+                      version=-1, timestamp=time.time(), nonce=secrets.token_bytes(16))
+    reply = await host.request(learner, routes.JOIN, wire.sign(msg, me), expect=JoinAccepted)
+    assert isinstance(reply, JoinAccepted)
+    return reply
+
+
+async def newest_lease(host: Any, learner: str, tries: int = 400, run_id: str = RUN) -> tuple[Lease, int]:
+    """A lease for the newest published version (the learner names it when asked for a newer one)."""
+    version = 2**40
+    for _ in range(tries):
+        reply = await host.request(learner, routes.LEASE, LeaseRequest(run_id=run_id, version=version, max_prompts=2),
+                                   expect=(Lease, LeaseDeferred))
+        if isinstance(reply, Lease):
+            return reply, version
+        if reply.want_version >= 0:
+            version = reply.want_version
+        await trio.sleep(max(0.05, min(reply.retry_after_s, 1.0)))
+    raise TimeoutError("no lease")
+
+
+def nonfinite_logprob_body(submit: Submit) -> bytes:
+    """``submit`` (with a −1.0 log-prob) encoded with that log-prob turned into ≈ −1e300: finite
+    as float64, −inf as float32; the model refuses to build it, so it is patched on the wire."""
+    body = bytearray(wire.encode(submit))
+    at = body.find(NEG_ONE_F64)
+    if at < 0:
+        raise ValueError("the submission carries no -1.0 log-prob to patch")
+    body[at + 1: at + 9] = NEAR_NEG_1E300
+    return bytes(body)
+
+
+def empty_completion_body(lease: Lease, version: int, me: Identity) -> bytes:
+    """A signed submission whose samples have no tokens (the model refuses to build one)."""
+    sample = Sample.model_construct(token_ids=[], logprobs=[], finish_reason="length", reward_hint=0.0,
+                                    model_mask=None)
+    groups = [RolloutGroup.model_construct(prompt_id=p.prompt_id, samples=[sample] * lease.group_size)
+              for p in lease.prompts]
+    msg = Submit.model_construct(type="submit", run_id=lease.run_id, lease_id=lease.lease_id, peer_id=me.peer_id,
+                                 behaviour_version=version, groups=groups, generate_seconds=0.1,
+                                 nonce=secrets.token_bytes(16), signature=b"\0" * 64, incarnation=None)
+    return wire.encode(wire.sign(msg, me))
+
+
+async def raw_request(host: Any, peer: str, protocol: str, frame: bytes, timeout: float = 20.0) -> str:
+    """Write ``frame`` (a length header and whatever follows) on a new stream; the error code
+    answered, or the reply's type."""
+    stream = await host.libp2p.new_stream(ID.from_base58(peer), [protocol])
+    try:
+        await stream.write(frame)
+        body = await read_frame(stream, max_bytes=1 << 20, first_byte_timeout=timeout, io_timeout=timeout)
+        msg = wire.decode(body)
+        return getattr(msg, "code", msg.type)
+    finally:
+        await stream.close()
+
+
+def framed(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def oversized_header(announced: int = 16 * 1024 * 1024, sent: int = 64) -> bytes:
+    """A frame header announcing ``announced`` bytes followed by only ``sent`` of them."""
+    return struct.pack(">I", announced) + b"\0" * sent
+
+
+def plan_member(host: Any, nursery: trio.Nursery, learner: str, report: bool, run_id: str = RUN) -> None:
+    """Make ``host`` a plan member that acknowledges every announce; it reports the version done
+    only if ``report`` (otherwise: the silent member, which answers pings and never reports)."""
+
+    async def on_announce(msg: Any, ctx: Any) -> BroadcastAck:
+        assert isinstance(msg, PlanAnnounce)
+        if report:
+            done = BroadcastDone(run_id=run_id, version=msg.version, ok=True, seconds=0.1, recovered_chunks=0,
+                                 suspects=[], detail="")
+            nursery.start_soon(host.request, learner, DONE, done)
+        return BroadcastAck(run_id=run_id, version=msg.version, have_version=msg.version)
+
+    host.route(ANNOUNCE, on_announce, request=PlanAnnounce)
+
+
+def fake_done(version: int, suspects: list[str], run_id: str = RUN) -> BroadcastDone:
+    """A ``BroadcastDone`` naming ``suspects`` as bad parents (from a peer not in that plan)."""
+    return BroadcastDone(run_id=run_id, version=version, ok=True, seconds=0.1, recovered_chunks=0,
+                         suspects=suspects[:64], detail="parent sent bad chunks")
