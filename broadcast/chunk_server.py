@@ -36,7 +36,7 @@ from echorl.broadcast.files import read_at
 from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
 from echorl.net.guard import ConnectionGuard, remote_ip
-from echorl.net.host import Host, RequestContext
+from echorl.net.host import Host, HostConfig, RequestContext
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.transport import Libp2pTransport, TcpStreamAdapter, UploadLimiter, ip_of, serve_raw
 from echorl.protocol.identity import short_id
@@ -59,7 +59,9 @@ class ChunkServer:
         self.fetch_buckets = TokenBuckets(fetch_limit) if fetch_limit is not None else None
         self.fetch_max_wait_s = fetch_max_wait_s
         self.counters = {"fetch_refused_unjoined": 0, "fetch_rate_limited": 0}
-        self.direct_guard = ConnectionGuard(host.config.connection_limits)  # the direct TCP port's connections
+        hc = getattr(host, "config", None) or HostConfig()  # a stand-in host without one: the defaults
+        self.handshake_timeout_s = hc.handshake_timeout_s  # the direct port's ticket must arrive by then
+        self.direct_guard = ConnectionGuard(hc.connection_limits)  # the direct TCP port's connections
         self.run_id = run_id
         self.limiter = limiter
         self.keep = keep
@@ -207,7 +209,7 @@ class ChunkServer:
         the ticket's stripe."""
         adapter = TcpStreamAdapter(tcp)
         try:
-            with trio.fail_after(self.host.config.handshake_timeout_s):
+            with trio.fail_after(self.handshake_timeout_s):
                 ticket = b""
                 while len(ticket) < 16:
                     more = await tcp.receive_some(16 - len(ticket))
