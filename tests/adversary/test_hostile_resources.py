@@ -101,6 +101,38 @@ def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
     trio.run(main)
 
 
+def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> None:
+    """The silent member's cost is one bounded wait per plan it is in: a member that never
+    reported anything is left out of the next 2^6 plans at its first miss; one that reported
+    before (an honest node that was slow once) only of the next 2."""
+    from safetensors.numpy import save
+
+    async def main() -> None:
+        identity = Identity.generate()
+        async with open_host(identity) as host, open_host(Identity.generate()) as good, \
+                open_host(Identity.generate()) as newcomer, open_host(Identity.generate()) as lapsed, \
+                trio.open_nursery() as nursery:
+            bc = Broadcaster(host, identity, RUN, direct=False, done_timeout_s=60.0)
+            assert bc.straggler_floor_s <= 5.0  # the default wait a silent member costs
+            bc.straggler_floor_s = 0.5
+            bc.install()
+            plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
+            plan_member(newcomer, nursery, host.peer_id, report=False, run_id=RUN)
+            plan_member(lapsed, nursery, host.peer_id, report=lambda v: v == 1, run_id=RUN)
+            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, newcomer, lapsed)]
+            members = []
+            for v in range(1, 7):
+                report = await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
+                members.append({p for p in (newcomer.peer_id, lapsed.peer_id)
+                                if p in report.completed or p in report.missing})
+            assert [newcomer.peer_id in m for m in members] == [True, False, False, False, False, False]
+            # lapsed: reported v1, silent at v2, out of v3-v4, back at v5, out of the next 4 plans
+            assert [lapsed.peer_id in m for m in members] == [True, True, False, False, True, False]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_broadcast_done_only_from_members_about_their_own_parents() -> None:
     from echorl.protocol.plan import PlanPeer, plan_broadcast
 
