@@ -60,6 +60,27 @@ def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa
     trio.run(main)
 
 
+def test_unmeasured_identities_together_hold_at_most_half_the_in_flight_budget(tiny) -> None:  # noqa: F811
+    """Many fresh identities each take their one lease and never answer: together they get at
+    most half of what may be in flight, and a measured, working peer still gets leases."""
+    async def main() -> None:
+        svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=4, prompts_per_lease=2, staleness=2)
+        svc.note_published(0)
+        honest = Identity.generate()
+        gctx = _join(svc, honest)
+        svc.admission.on_result(honest.peer_id, groups=2, issued_at=time.monotonic() - 1.0)  # measured
+        req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+        held = 0
+        for _ in range(10):
+            reply = await svc.on_lease(req, _join(svc, Identity.generate()))
+            held += len(reply.prompts) if isinstance(reply, Lease) else 0
+        cap = svc.policy.in_flight_cap
+        assert 0 < held <= cap // 2
+        assert isinstance(await svc.on_lease(req, gctx), Lease)
+
+    trio.run(main)
+
+
 def test_unjoined_peer_big_submit_is_refused_unread(tiny) -> None:  # noqa: F811
     """The header announces a 4 MiB body and only a few bytes follow: a learner that reads the
     body first waits out its I/O timeout and answers nothing; one that checks the peer first
