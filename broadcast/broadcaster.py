@@ -28,8 +28,11 @@ the next plan. A node reported while alive is only demoted, for ``demote_for`` p
 lying child cannot evict a peer. ``BroadcastDone`` is accepted only from a member of that
 version's plan, and only its own plan parents count as its suspects. Training never waits on one
 member: once half of the announced nodes completed, the rest get ``straggler_factor`` × the time
-that took (at least ``straggler_floor_s``); a live member that still has not reported is left out
-of the next 2^k plans (k: its misses in a row), and fetches versions by catch-up meanwhile.
+that took (at least ``straggler_floor_s``, a few seconds: the next version is not published
+before this wait ends, so it is what one silent member costs); a live member that still has not
+reported is left out of the next 2^k plans (k: its misses in a row), and fetches versions by
+catch-up meanwhile. A member that has never reported any version is left out of the next
+2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
 While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
 waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
 so consecutive versions use the same edges and reuse connections.
@@ -69,6 +72,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -91,6 +95,9 @@ from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter
 
 log = logging.getLogger("echorl.broadcast.broadcaster")
+
+MAX_SILENT_DOUBLINGS = 6  # a silent member sits out at most 2^6 plans in a row
+MAX_REMEMBERED_REPORTERS = 65_536
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ class Broadcaster:
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 0.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
-                 straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
+                 straggler_floor_s: float = 3.0, demote_for: int = 8, deadlines: Deadlines | None = None,
                  store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  fetch_limit: RateLimit | None = None, nat_push: bool = True,
                  incarnation: bytes | None = None) -> None:
@@ -166,6 +173,7 @@ class Broadcaster:
         self._n_pub = 0  # publications so far: demotions and exclusions count in publications
         self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
         self._silent: dict[str, tuple[int, int]] = {}  # live member that never reported: (misses in a row, left out until publication)
+        self._reported: OrderedDict[str, None] = OrderedDict()  # members that reported some version (LRU-bounded)
         self._drop: set[str] = set()  # reported and did not complete: left out next time
 
     def install(self) -> None:
@@ -238,11 +246,15 @@ class Broadcaster:
         2^k plans, k their misses in a row; a report clears the record."""
         for p in reported:
             self._silent.pop(p, None)
+            self._reported[p] = None
+            self._reported.move_to_end(p)
+        while len(self._reported) > MAX_REMEMBERED_REPORTERS:
+            self._reported.popitem(last=False)
         for p in silent:
-            misses = self._silent.get(p, (0, 0))[0] + 1
-            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, 6) - 1)
+            misses = self._silent.get(p, (0, 0))[0] + 1 if p in self._reported else MAX_SILENT_DOUBLINGS
+            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, MAX_SILENT_DOUBLINGS) - 1)
             log.info("v%d: %s never reported done; left out of the next %d plans", version, p[:16],
-                     2 ** min(misses, 6))
+                     2 ** min(misses, MAX_SILENT_DOUBLINGS))
 
     async def _build(self, version: int, data: bytes) -> tuple[Manifest, bytes]:
         prev = self._prev

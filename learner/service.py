@@ -251,6 +251,9 @@ class LearnerService(Policing):
             return self._deferred("weights_unknown", want_version=self.published)
         room = pol.room(self.version, msg.version, len(self.buffer) + self.book.outstanding_prompts())
         n = min(msg.max_prompts, pol.prompts_per_lease, room)
+        if not self.admission.measured(ctx.peer_id):
+            n = min(n, self.admission.unmeasured_room(pol.in_flight_cap, pol.prompts_per_lease,
+                                                              self.book.active.values()))
         if n <= 0:
             return self._deferred("paced", retry_after_s=0.05)
         prompts = self.buffer.next_prompts(self.task, n)
