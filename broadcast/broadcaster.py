@@ -28,8 +28,11 @@ the next plan. A node reported while alive is only demoted, for ``demote_for`` p
 lying child cannot evict a peer. ``BroadcastDone`` is accepted only from a member of that
 version's plan, and only its own plan parents count as its suspects. Training never waits on one
 member: once half of the announced nodes completed, the rest get ``straggler_factor`` × the time
-that took (at least ``straggler_floor_s``); a live member that still has not reported is left out
-of the next 2^k plans (k: its misses in a row), and fetches versions by catch-up meanwhile.
+that took (at least ``straggler_floor_s``, a few seconds: the next version is not published
+before this wait ends, so it is what one silent member costs); a live member that still has not
+reported is left out of the next 2^k plans (k: its misses in a row), and fetches versions by
+catch-up meanwhile. A member that has never reported any version is left out of the next
+2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
 While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
 waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
 so consecutive versions use the same edges and reuse connections.
@@ -69,6 +72,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -87,9 +91,13 @@ from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.net.host import Host, PeerUnavailable, RequestContext
+from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter
 
 log = logging.getLogger("echorl.broadcast.broadcaster")
+
+MAX_SILENT_DOUBLINGS = 6  # a silent member sits out at most 2^6 plans in a row
+MAX_REMEMBERED_REPORTERS = 65_536
 
 
 @dataclass(frozen=True)
@@ -125,9 +133,10 @@ class Broadcaster:
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 0.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
                  liveness_misses: int = 2, retain: int = 0, straggler_factor: float = 3.0,
-                 straggler_floor_s: float = 30.0, demote_for: int = 8, deadlines: Deadlines | None = None,
+                 straggler_floor_s: float = 3.0, demote_for: int = 8, deadlines: Deadlines | None = None,
                  store_dir: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 nat_push: bool = True, incarnation: bytes | None = None) -> None:
+                 fetch_limit: RateLimit | None = None, nat_push: bool = True,
+                 incarnation: bytes | None = None) -> None:
         if identity.peer_id != host.peer_id:
             raise ValueError("the broadcaster signs with the host's identity")
         self.host = host
@@ -149,7 +158,8 @@ class Broadcaster:
         self.deadlines = deadlines or Deadlines()
         self.limiter = _as_limiter(upload_limit)
         self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct,
-                                  deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes))
+                                  deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes),
+                                  fetch_limit=fetch_limit)
         # (version, safetensors bytes) last published; the bytes only for a delta (a full
         # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
         self._prev: tuple[int, bytes | None] | None = None
@@ -163,6 +173,7 @@ class Broadcaster:
         self._n_pub = 0  # publications so far: demotions and exclusions count in publications
         self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
         self._silent: dict[str, tuple[int, int]] = {}  # live member that never reported: (misses in a row, left out until publication)
+        self._reported: OrderedDict[str, None] = OrderedDict()  # members that reported some version (LRU-bounded)
         self._drop: set[str] = set()  # reported and did not complete: left out next time
 
     def install(self) -> None:
@@ -235,11 +246,15 @@ class Broadcaster:
         2^k plans, k their misses in a row; a report clears the record."""
         for p in reported:
             self._silent.pop(p, None)
+            self._reported[p] = None
+            self._reported.move_to_end(p)
+        while len(self._reported) > MAX_REMEMBERED_REPORTERS:
+            self._reported.popitem(last=False)
         for p in silent:
-            misses = self._silent.get(p, (0, 0))[0] + 1
-            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, 6) - 1)
+            misses = self._silent.get(p, (0, 0))[0] + 1 if p in self._reported else MAX_SILENT_DOUBLINGS
+            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, MAX_SILENT_DOUBLINGS) - 1)
             log.info("v%d: %s never reported done; left out of the next %d plans", version, p[:16],
-                     2 ** min(misses, 6))
+                     2 ** min(misses, MAX_SILENT_DOUBLINGS))
 
     async def _build(self, version: int, data: bytes) -> tuple[Manifest, bytes]:
         prev = self._prev
@@ -261,6 +276,21 @@ class Broadcaster:
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
                 kind=kind, base_version=base, chunk_bytes=chunk_bytes, incarnation=self.incarnation)
             return manifest, payload
+
+        return await trio.to_thread.run_sync(build)
+
+    async def _signed_announce(self, version: int, manifest: Manifest, members: list[PlanMember],
+                               shape: str | None, seed: int | None) -> tuple[PlanAnnounce, bytes]:
+        """The plan announcement, signed and encoded once for every member, in a worker thread
+        (validating, signing and encoding a large member list is not event-loop work)."""
+        learner_addrs = self.host.addrs[:16]
+
+        def build() -> tuple[PlanAnnounce, bytes]:
+            ann = wire.sign(PlanAnnounce(
+                run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version, manifest=manifest,
+                shape=shape or self.shape, fanout=self.fanout, seed=self.seed if seed is None else seed,
+                learner_addrs=learner_addrs, members=members, created_at=time.time()), self.identity)
+            return ann, wire.encode(ann)
 
         return await trio.to_thread.run_sync(build)
 
@@ -288,10 +318,7 @@ class Broadcaster:
             if n.addrs:
                 self.host.add_peer_addrs(n.peer_id, list(n.addrs))
         self._drop.clear()
-        ann = wire.sign(PlanAnnounce(
-            run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=version, manifest=manifest,
-            shape=shape or self.shape, fanout=self.fanout, seed=self.seed if seed is None else seed,
-            learner_addrs=self.host.addrs[:16], members=members, created_at=time.time()), self.identity)
+        ann, encoded = await self._signed_announce(version, manifest, members, shape, seed)
         state = VersionState(ann, self.host.peer_id, self.server.store)
         await state.fill(payload)  # the store's file: served from disk through the chunk cache
         del payload
@@ -309,7 +336,7 @@ class Broadcaster:
 
         async def announce(m: PlanMember) -> None:
             try:
-                await self.host.request(m.peer_id, ANNOUNCE, ann, expect=BroadcastAck,
+                await self.host.request(m.peer_id, ANNOUNCE, encoded, expect=BroadcastAck,
                                         timeout=self.announce_deadline(manifest, len(members)))
                 announced.add(m.peer_id)
             except (PeerUnavailable, ProtocolError) as exc:

@@ -3,7 +3,14 @@ children (libp2p or the ticketed direct TCP path) and answers content-addressed 
 and ``CatchUpRequest`` from the peer's one store (``broadcast/store.py``: the versions in flight
 and the held chain, as files; frames come from the chunk cache or are read by offset in a worker
 thread). The learner's ``Broadcaster`` and each node's ``Relay`` use it alike; a
-node's direct fetch from the learner is a catch-up with the learner as the only source."""
+node's direct fetch from the learner is a catch-up with the learner as the only source.
+
+Downloads outside the broadcast streams (``ChunkRequest``, ``CatchUpRequest``) can be limited:
+``admit(peer)`` is asked before a request body is read (the learner admits only joined peers:
+``not_found`` otherwise, ``fetch_refused_unjoined``), and ``fetch_limit`` paces each peer's chunk
+bytes with a token bucket (``net/ratelimit.py``): a request waits for its bytes' tokens, or is
+refused with ``rate_limited`` (``fetch_rate_limited``) if that wait would exceed
+``fetch_max_wait_s``. Plan streams are not counted: the broadcast is never slowed by catch-ups."""
 
 from __future__ import annotations
 
@@ -28,7 +35,9 @@ from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import read_at
 from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
-from echorl.net.host import Host, RequestContext
+from echorl.net.guard import ConnectionGuard, remote_ip
+from echorl.net.host import Host, HostConfig, RequestContext
+from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.transport import Libp2pTransport, TcpStreamAdapter, UploadLimiter, ip_of, serve_raw
 from echorl.protocol.identity import short_id
 
@@ -42,8 +51,17 @@ class ChunkServer:
 
     def __init__(self, host: Host, run_id: str, limiter: UploadLimiter, *, keep: int = 3, retain: int = 0,
                  announce_wait_s: float = 15.0, io_timeout_s: float = 120.0, direct: bool = True,
-                 deadlines: Deadlines | None = None, store: WeightStore | None = None) -> None:
+                 deadlines: Deadlines | None = None, store: WeightStore | None = None,
+                 admit: Callable[[str], bool] | None = None, fetch_limit: RateLimit | None = None,
+                 fetch_max_wait_s: float = 30.0) -> None:
         self.host = host
+        self.admit = admit  # None: anyone may fetch (a node's relay); the learner: joined peers
+        self.fetch_buckets = TokenBuckets(fetch_limit) if fetch_limit is not None else None
+        self.fetch_max_wait_s = fetch_max_wait_s
+        self.counters = {"fetch_refused_unjoined": 0, "fetch_rate_limited": 0}
+        hc = getattr(host, "config", None) or HostConfig()  # a stand-in host without one: the defaults
+        self.handshake_timeout_s = hc.handshake_timeout_s  # the direct port's ticket must arrive by then
+        self.direct_guard = ConnectionGuard(hc.connection_limits)  # the direct TCP port's connections
         self.run_id = run_id
         self.limiter = limiter
         self.keep = keep
@@ -118,7 +136,25 @@ class ChunkServer:
     # --- serving --------------------------------------------------------------------------------
     def install_serving(self) -> None:
         serve_raw(self.host, STREAM, self._on_stream)
-        self.host.serve({CHUNK: self._on_chunk, CATCHUP: self._on_catch_up, TICKET: self._on_ticket})
+        fetch = {CHUNK: self._admits, CATCHUP: self._admits} if self.admit is not None else None
+        self.host.serve({CHUNK: self._on_chunk, CATCHUP: self._on_catch_up, TICKET: self._on_ticket}, admit=fetch)
+
+    def _admits(self, peer_id: str) -> bool:
+        ok = self.admit is None or self.admit(peer_id)
+        if not ok:
+            self.counters["fetch_refused_unjoined"] += 1
+        return ok
+
+    async def _pace(self, peer_id: str, nbytes: int) -> None:
+        """Wait until ``peer_id`` may have ``nbytes`` more (``rate_limited`` if too long)."""
+        if self.fetch_buckets is None:
+            return
+        wait = self.fetch_buckets.reserve(peer_id, nbytes, self.fetch_max_wait_s)
+        if wait is None:
+            self.counters["fetch_rate_limited"] += 1
+            raise ProtocolError(ErrorCode.RATE_LIMITED, "download rate limit: retry later")
+        if wait > 0:
+            await trio.sleep(wait)
 
     async def _check_subscribe(self, sub: Subscribe, peer: str) -> VersionState:
         if sub.run_id != self.run_id:
@@ -161,9 +197,19 @@ class ChunkServer:
             self.direct_port = None
 
     async def _on_direct(self, tcp: trio.SocketStream) -> None:
+        ip = remote_ip(tcp)
+        with self.direct_guard.slot(ip) as ok:
+            if ok:
+                await self._serve_direct_conn(tcp)
+            else:
+                await trio.aclose_forcefully(tcp)
+
+    async def _serve_direct_conn(self, tcp: trio.SocketStream) -> None:
+        """One direct connection: its 16-byte ticket within the host's handshake deadline, then
+        the ticket's stripe."""
         adapter = TcpStreamAdapter(tcp)
         try:
-            with trio.fail_after(10.0):
+            with trio.fail_after(self.handshake_timeout_s):
                 ticket = b""
                 while len(ticket) < 16:
                     more = await tcp.receive_some(16 - len(ticket))
@@ -209,6 +255,10 @@ class ChunkServer:
 
     async def _on_chunk(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, ChunkRequest)
+        where = self.locate(msg.digest)
+        if where is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "chunk not held")
+        await self._pace(ctx.peer_id, where[2])  # before the read: a paced request holds no chunk
         data = await self.find_chunk(msg.digest)
         if data is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "chunk not held")

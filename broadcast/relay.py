@@ -238,7 +238,11 @@ class Relay:
         return await self.server.transport.subscribe(parent, sub)
 
     async def _stream_from(self, parent: str, state: VersionState, s: int) -> None:
+        """The stripe from ``parent``: each frame's first byte within ``stall_s``, its whole body
+        within a chunk's deadline (its bytes at the floor rate), so a parent that trickles is a
+        stall too, not only one that goes silent."""
         source = await self._open_source(parent, state, s)
+        source.io_timeout = min(source.io_timeout, self.deadlines.for_bytes(state.manifest.chunk_bytes))
         try:
             async for body in source.frames(first_byte_timeout=self.stall_s):
                 msg = wire.decode(body, expect=Chunk)
@@ -467,7 +471,10 @@ class Relay:
 
     async def _fetch_payload(self, m: Manifest, path: Path, holders: list[str]) -> bool:
         """Fill ``path`` with ``m``'s payload, chunk by chunk (held here, else from ``holders``),
-        each verified before it is written; False if a chunk could not be had."""
+        each verified before it is written; False if a chunk could not be had. A holder that
+        misses a chunk's deadline (its bytes at the floor rate: a stall) or refuses is asked last
+        from then on, one that sends a bad chunk never again (``holders`` is updated in place),
+        so a holder that stops sending mid catch-up costs one chunk deadline, not one per chunk."""
         await trio.to_thread.run_sync(create_file, path, m.payload_bytes)
         where: dict[bytes, list[int]] = {}
         for i, ref in enumerate(m.chunks):
@@ -481,15 +488,21 @@ class Relay:
                     continue
                 except ProtocolError:
                     sources = holders
-            for src in sources:
+            for src in list(sources):
                 try:
                     reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
                                                     timeout=self.deadlines.for_bytes(m.chunk_bytes))
                     assert isinstance(reply, Chunk)
                     await trio.to_thread.run_sync(write_chunk, path, m, idx, d, reply.data)
                     break
-                except (PeerUnavailable, RemoteError, ProtocolError):
-                    continue
+                except (PeerUnavailable, RemoteError) as exc:
+                    log.info("catch-up v%d: holder %s failed a chunk (%s): asked last from now on", m.version,
+                             short_id(src), type(exc).__name__)
+                    holders.remove(src)
+                    holders.append(src)
+                except ProtocolError:
+                    log.warning("catch-up v%d: holder %s sent a bad chunk: dropped", m.version, short_id(src))
+                    holders.remove(src)
             else:
                 return False
         return True

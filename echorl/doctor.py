@@ -4,7 +4,9 @@ Checks, in order (a failed address or dial ends the network checks): the bootstr
 parses; the learner answers a dial (with the cause if not) and a ping (RTT); it serves the run;
 whether it can dial us back (``DIALBACK``: if not, behind NAT or a firewall: this node then
 relays by dialling reachable peers) and how it sees us (identify's observed address); download throughput from the learner (the newest
-full snapshot's manifest by catch-up, and as many verified chunks as fit in a few seconds); our clock is
+full snapshot's manifest by catch-up, and as many verified chunks as fit in a few seconds; the learner
+serves weights only to joined peers, so the doctor joins first with its throwaway key, as a node
+that offers no work: the learner forgets it soon after it is gone); our clock is
 not behind the learner's (the manifest must not come from the future, a one-sided check: joins
 outside ±MAX_CLOCK_SKEW_S are refused); the key file's mode; free disk for weights; the torch
 device. ``--json`` prints one object. Exit 0 if nothing failed, 1 otherwise, 2 for a bad address.
@@ -145,12 +147,30 @@ def _observed_row(seen: list[str], why: str) -> Row:
                                        f"{NOT_REACHABLE}")
 
 
+async def _join(host: Any, learner: str, run_id: str) -> None:
+    """Join as a node that offers no work (0 tok/s, not reachable): weights are served to members only."""
+    import secrets
+
+    from echorl.protocol import routes, wire
+    from echorl.protocol.messages import Capability, JoinAccepted, JoinRequest
+
+    cap = Capability(engine="doctor", device="none", memory_bytes=0, tokens_per_s=0.0, price_per_hour=0.0,
+                     reachable=False, listen_addrs=[])
+    join = JoinRequest(run_id=run_id, peer_id=host.peer_id, capability=cap, version=-1, timestamp=time.time(),
+                       nonce=secrets.token_bytes(16))
+    await host.request(learner, routes.JOIN, wire.sign(join, host.identity), expect=JoinAccepted, timeout=15.0)
+
+
 async def _download_rows(host: Any, learner: str, run_id: str, seconds: float) -> list[Row]:
     from echorl.protocol import routes
     from echorl.protocol.messages import CatchUp, CatchUpRequest, Chunk, ChunkRequest
 
     from echorl.net.host import PeerUnavailable, RemoteError
 
+    try:
+        await _join(host, learner, run_id)
+    except (PeerUnavailable, RemoteError) as exc:
+        return [Row("download", "fail", f"the learner refused a join, so it serves no weights: {exc}")]
     try:
         reply = await host.request(learner, routes.CATCHUP, CatchUpRequest(run_id=run_id, have_version=-1),
                                    expect=CatchUp, timeout=15.0)

@@ -46,6 +46,18 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("cost_per_1k_rollouts", "echorl_cost_per_1k_rollouts", "gauge", "cost so far per 1,000 accepted rollout groups"),
     ("cost_rollouts_on_learner_estimate", "echorl_cost_rollouts_on_learner_estimate", "gauge",
      "ESTIMATE: cost of generating the accepted rollouts on the learner at its price and measured rate"),
+    ("joins_refused_ip_cap", "echorl_joins_refused_ip_cap_total", "counter",
+     "joins refused (peer_limit): the address already holds max_peers_per_ip members"),
+    ("plan_newcomers_capped", "echorl_plan_newcomers_capped_total", "counter",
+     "peers without accepted work left out of a broadcast plan (summed over plans)"),
+    ("members_dropped_idle", "echorl_members_dropped_idle_total", "counter",
+     "members that never worked, dropped after idle_member_drop_s / dead_member_drop_s"),
+    ("connections_refused", "echorl_connections_refused_total", "counter",
+     "inbound connections (libp2p and the direct chunk port) closed at once: the address or the total was at its cap"),
+    ("fetch_refused_unjoined", "echorl_fetch_refused_unjoined_total", "counter",
+     "chunk / catch-up requests from peers that have not joined, refused unread"),
+    ("fetch_rate_limited", "echorl_fetch_rate_limited_total", "counter",
+     "chunk requests refused: the peer's download rate (fetch_mbps_per_peer) would make it wait too long"),
 )
 # (row key holding {label value: number}, metric name, kind, label name, help)
 LEARNER_LABELLED: tuple[tuple[str, str, str, str, str], ...] = (

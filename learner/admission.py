@@ -11,7 +11,8 @@ joined, correctly signing node from poisoning, starving or fooling a run (docs/t
   → accepted result, on the learner's clock), then ``max_leases_per_peer``; deadlines come from
   that measurement, never from the node's declared tokens/s alone (unmeasured: at most
   ``unmeasured_deadline_factor`` × the base timeout); a peer whose leases keep expiring is backed
-  off exponentially, then refused (``refused``) for the rest of the run.
+  off exponentially, then refused (``refused``) for the rest of the run. Unmeasured peers
+  together hold at most half of the in-flight budget (at least one lease).
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ class Admission:
             return load.backoff_until - now
         cap = self.policy.max_leases_per_peer if load.groups_per_s > 0 else 1
         return 0.0 if held < max(1, cap) else 0.5
+
+    def unmeasured_room(self, in_flight_cap: int, prompts_per_lease: int, active: Any) -> int:
+        """Prompts one more unmeasured peer may be leased: unmeasured peers together hold at most
+        half of the in-flight budget (at least one lease), so identities that take a lease and
+        never answer cannot starve the measured, working nodes. ``active``: the lease records."""
+        held = sum(len(r.prompts) for r in active if self.load(r.peer_id).groups_per_s <= 0)
+        return max(prompts_per_lease, in_flight_cap // 2) - held
+
+    def measured(self, peer_id: str) -> bool:
+        return self.load(peer_id).groups_per_s > 0
 
     def deadline(self, peer_id: str, n_prompts: int, group_size: int, max_new_tokens: int,
                  base_s: float, declared_tokens_per_s: float) -> float:

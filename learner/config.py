@@ -101,6 +101,19 @@ class LeaseFields(BatchFields):
     """node losses counted for the preemption margin over this window"""
     activation_hysteresis: float = Field(0.25, ge=0.0, le=100.0)
     """extra margin a decision must meet to park a node that is active now"""
+    max_peers_per_ip: int = Field(32, ge=0, le=1_000_000)
+    """joined peers per IP address (an IPv6 address counts by its /64); a join beyond it is refused with
+    peer_limit, so fresh identities from one host cannot flood the membership (0: no cap)"""
+    plan_newcomers: int = Field(16, ge=0, le=4096)
+    """peers that have not had a rollout accepted yet put in one broadcast plan (the rest catch up);
+    workers are always in it"""
+    plan_max_members: int = Field(1024, ge=1, le=4096)
+    """peers in one broadcast plan at most, workers with the most accepted groups first"""
+    idle_member_drop_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """a member that never had a rollout accepted (and holds no lease, is not standby) is dropped this
+    long after its join; it joins again if it is still there"""
+    dead_member_drop_s: float = Field(60.0, gt=0.0, le=86_400.0)
+    """a member that never worked is dropped this long after it stopped answering pings"""
 
 
 class LearnerConfig(TrainingFields, LeaseFields, PeerFields):
@@ -121,6 +134,9 @@ class LearnerConfig(TrainingFields, LeaseFields, PeerFields):
     """broadcast chunk size in KiB"""
     broadcast_timeout_s: float = Field(120.0, gt=0.0, le=86_400.0)
     """how long one publication may take"""
+    fetch_mbps_per_peer: float = Field(400.0, ge=0.0, le=1e6)
+    """download rate one joined peer gets for catch-up and chunk requests (Mbit/s, bursts of 64 MiB), apart
+    from the broadcast streams; peers that did not join get nothing (0: no per-peer limit)"""
     spot_check_fraction: float = Field(0.1, ge=0.0, le=1.0)
     """fraction of submissions whose behaviour log-probs are recomputed with the claimed version's snapshot;
     a mismatch refuses the submission and flags the peer, whose submissions are then all checked (0: off)"""

@@ -22,6 +22,7 @@ from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import short_id
 from echorl.protocol.messages import DialBackResult, JoinRequest, RunEnded
+from echorl.learner.roster import member_addrs
 
 log = logging.getLogger("echorl.learner.membership")
 
@@ -53,7 +54,7 @@ class Members:
         """The joiner's capability as the learner will use it (logged as the join): ``identity_in_use``
         for a second live process; ``reachable`` only if a dial-back to its advertised addresses works."""
         check_identity(peers, self.instances, msg, peer_id, 2 * (policy.liveness_after_s + policy.ping_timeout_s))
-        cap = msg.capability
+        cap = msg.capability.model_copy(update={"listen_addrs": member_addrs(msg.capability.listen_addrs)})
         remote = host.remote_ip(peer_id) if host is not None else None
         if cap.reachable and not await dial_back(list(cap.listen_addrs), remote):
             cap = cap.model_copy(update={"reachable": False})

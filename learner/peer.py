@@ -141,6 +141,7 @@ async def serve(cfg: LearnerConfig, task_status: Any = trio.TASK_STATUS_IGNORED)
             service.ledger.price_per_hour = cfg.price_per_hour
             loop.attach("service", service)
             service.install(host)
+            bc.server.admit = service.admits  # catch-up and chunk requests: joined peers only
             async with trio.open_nursery() as nursery:
                 publisher = await _start_publishing(cfg, bc, loop, provisioning, service, nursery)
                 loop.attach("publisher", publisher)
@@ -206,11 +207,14 @@ async def _resume(cfg: LearnerConfig, loop: Any) -> None:
 def _broadcaster(cfg: LearnerConfig, host: Any, identity: Any, limiter: Any) -> Any:
     """The broadcaster (it keeps the last S+1 published versions: the spot checks' snapshots)."""
     from echorl.broadcast.broadcaster import Broadcaster
+    from echorl.net.ratelimit import RateLimit
 
+    per_peer = cfg.fetch_mbps_per_peer * 1e6 / 8
     return Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
                        full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
                        done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness,
-                       cache_bytes=int(cfg.chunk_cache_mb * 2**20))
+                       cache_bytes=int(cfg.chunk_cache_mb * 2**20),
+                       fetch_limit=RateLimit(per_peer, 64 * 2**20) if per_peer > 0 else None)
 
 
 async def _start_publishing(cfg: LearnerConfig, bc: Any, loop: Any, provisioning: Any, service: Any,

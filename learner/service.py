@@ -59,6 +59,7 @@ from echorl.learner.leases import LeaseBook, LeasePolicy, LeaseRecord  # noqa: F
 from echorl.learner.resume import decode_service_state, encode_service_state
 from echorl.learner.spot_check import SpotChecker
 from echorl.learner.policing import Policing
+from echorl.learner.roster import Roster, RosterPolicy
 from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.node.learner")
@@ -117,6 +118,7 @@ class LearnerService(Policing):
         }
         self.summary = summary
         self.admission = Admission(held_versions=policy.staleness + 2)
+        self.roster = Roster(RosterPolicy.of(policy))  # per-IP joins, plan members, idle drop (learner/roster.py)
         self.host: Host | None = None
         self.spot = spot  # None: spot checks off
         self.ban_after = ban_after  # mismatches before a peer is refused leases (0: never)
@@ -203,6 +205,8 @@ class LearnerService(Policing):
         self.book.check_nonce(msg.nonce)
         self.book.settle(f"join:{msg.nonce.hex()}", "join", msg.nonce)
         self.counters["signatures_verified"] += 1
+        ip = self.host.remote_ip(ctx.peer_id) if self.host is not None else None
+        self.roster.check_join(ctx.peer_id, ip)
         cap = await self.members.admit(msg, ctx.peer_id, self.peers, self.host, self.policy)
         now, old = time.monotonic(), self.peers.get(ctx.peer_id)
         rec = PeerRecord(ctx.peer_id, cap, now, now, msg.version)
@@ -210,8 +214,9 @@ class LearnerService(Policing):
             rec.leases_done, rec.groups_accepted = old.leases_done, old.groups_accepted
             rec.generate_seconds, rec.groups_generated = old.generate_seconds, old.groups_generated
         self.peers[ctx.peer_id] = rec
+        self.roster.note_join(ctx.peer_id, ip)
         if self.host is not None:
-            self.host.add_peer_addrs(ctx.peer_id, list(msg.capability.listen_addrs))
+            self.host.add_peer_addrs(ctx.peer_id, list(cap.listen_addrs))
         return JoinAccepted(run_id=self.run_id, learner_peer_id=self.identity.peer_id, version=self.published,
                             staleness_bound=self.policy.staleness, heartbeat_s=self.policy.heartbeat_s,
                             incarnation=self.incarnation)
@@ -246,6 +251,9 @@ class LearnerService(Policing):
             return self._deferred("weights_unknown", want_version=self.published)
         room = pol.room(self.version, msg.version, len(self.buffer) + self.book.outstanding_prompts())
         n = min(msg.max_prompts, pol.prompts_per_lease, room)
+        if not self.admission.measured(ctx.peer_id):
+            n = min(n, self.admission.unmeasured_room(pol.in_flight_cap, pol.prompts_per_lease,
+                                                              self.book.active.values()))
         if n <= 0:
             return self._deferred("paced", retry_after_s=0.05)
         prompts = self.buffer.next_prompts(self.task, n)
@@ -353,7 +361,7 @@ class LearnerService(Policing):
         now = time.monotonic()
         learner = {"peer_id": self.identity.peer_id, "version": self.version, "staleness_bound": self.policy.staleness,
                    "buffer": len(self.buffer), "leases_active": len(self.book.active),
-                   "leases_expired": self.book.expired, **self.counters,
+                   "leases_expired": self.book.expired, **self.counters, **self.roster.counters,
                    "spot_check_fraction": self.spot.fraction if self.spot is not None else 0.0,
                    "spot_check_seconds": round(self.spot_check_seconds, 4),
                    "spot_check_passed_max_abs_diff": self.spot_check_passed_max_abs_diff}
@@ -375,11 +383,12 @@ class LearnerService(Policing):
                       next_cursor=cursor + limit if cursor + limit < len(self.peers) else None)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
-        """The joined nodes a version is broadcast to: alive and heard from recently."""
+        """The joined nodes a version is broadcast to: alive, heard from recently and chosen by
+        the roster (workers and a few newcomers, ``learner/roster.py``)."""
         from echorl.broadcast.broadcaster import NodeInfo
 
         return [NodeInfo(p.peer_id, bool(p.capability.reachable), tuple(p.capability.listen_addrs))
-                for p in self.active_peers(window_s)]
+                for p in self.roster.plan(self.active_peers(window_s))]
 
     # --- cost-aware activation (architecture §7) ---------------------------------------------------
     def is_standby(self, peer_id: str) -> bool:
@@ -450,6 +459,8 @@ class LearnerService(Policing):
                 log.info("lease %s of %s expired", rec.lease_id, short_id(rec.peer_id))
                 self.buffer.requeue(rec.prompts)
                 self.admission.on_expired(rec.peer_id)
+            self._drop_idle()
+            await self._close_refused()
             now = time.monotonic()
             quiet = [pid for pid, p in self.peers.items()
                      if p.alive and now - p.last_seen > self.policy.liveness_after_s]
@@ -458,6 +469,21 @@ class LearnerService(Policing):
                     for pid in quiet:
                         nursery.start_soon(self._probe, pid)
             await trio.sleep(interval_s)
+
+    def _drop_idle(self) -> None:
+        """Forget members that never worked and joined long ago or stopped answering."""
+        busy = {r.peer_id for r in self.book.active.values()} | {p for p in self.peers if self.is_standby(p)}
+        for pid in self.roster.drop_idle(self.peers, busy):
+            self.members.instances.pop(pid, None)
+
+    async def _close_refused(self) -> None:
+        """Close the connections of joiners the roster refused (after their answer went out)."""
+        refused = self.roster.take_refused()
+        if refused and self.host is not None:
+            async with trio.open_nursery() as nursery:
+                for pid in refused:
+                    if pid not in self.peers:
+                        nursery.start_soon(self.host.disconnect, pid)
 
     async def _probe(self, peer_id: str) -> None:
         assert self.host is not None
@@ -468,6 +494,8 @@ class LearnerService(Policing):
             gone = self.book.expire_peer(peer_id)
             for rec in gone:
                 self.buffer.requeue(rec.prompts)
+            if peer_id not in self.peers:
+                return
             self.peers[peer_id].alive = False
             log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), exc, len(gone))
             self._lost(peer_id)

@@ -47,6 +47,7 @@ from echorl.net.framing import (
     STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
     read_frame, reset_quietly, write_message,
 )
+from echorl.net.guard import ConnectionGuard, ConnectionLimits, guard_libp2p_inbound
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.routes import RATES
 from echorl.protocol.identity import short_id
@@ -87,6 +88,8 @@ class HostConfig:
     handler_timeout_s: float = 60.0  # default deadline of a handler
     pool_idle_s: float = 20.0  # pooled client streams older than this are not reused
     max_streams_per_peer: int = 16  # concurrent inbound streams per peer
+    handshake_timeout_s: float = 5.0  # an inbound connection's security + muxer handshake
+    connection_limits: ConnectionLimits = ConnectionLimits()  # inbound connections per address / in all
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class Host:
         self._routes: dict[str, Route] = {}
         self._pool: dict[tuple[str, str], list[tuple[Any, float]]] = defaultdict(list)
         self._inbound: dict[str, int] = defaultdict(int)
+        self.guard = ConnectionGuard(config.connection_limits)  # inbound connections (net/guard.py)
 
     # --- addresses and dialing ------------------------------------------------------------------
     @property
@@ -358,15 +362,16 @@ class Host:
         self,
         peer_id: str,
         protocol: str,
-        msg: Message,
+        msg: Message | bytes,
         *,
         expect: type[Message] | tuple[type[Message], ...] | None = None,
         timeout: float | None = None,
         max_reply_bytes: int = limits.MAX_FRAME_BYTES,
     ) -> Message:
-        """Send ``msg`` and return the reply. Raises RemoteError (an Error reply, or a reply of
-        an unexpected type / undecodable) or PeerUnavailable (network failure, deadline)."""
-        payload = wire.encode(msg)
+        """Send ``msg`` (a message, or its ``wire.encode`` bytes: one encoding sent to many peers)
+        and return the reply. Raises RemoteError (an Error reply, or a reply of an unexpected
+        type / undecodable) or PeerUnavailable (network failure, deadline)."""
+        payload = msg if isinstance(msg, bytes) else wire.encode(msg)
         deadline = timeout or self.config.request_timeout_s
         try:
             with trio.fail_after(deadline):
@@ -465,12 +470,14 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
     # one connection per peer: the dialer stops waiting as soon as the first dial succeeds;
     # no auto-connector dialing toward a 50-connection floor (our topology is explicit).
     conn_cfg = ConnectionConfig(max_connections_per_peer=1, dial_timeout=config.connect_timeout_s,
-                                min_connections=0, low_watermark=0)
+                                min_connections=0, low_watermark=0, inbound_upgrade_timeout=config.handshake_timeout_s)
     listen = multiaddr.Multiaddr(config.listen)
     lp_host = new_host(key_pair=create_new_key_pair(identity.seed), listen_addrs=[listen],
                        connection_config=conn_cfg)
     if str(lp_host.get_id()) != identity.peer_id:
         raise RuntimeError("libp2p peer id differs from the protocol identity")
+    host = Host(identity, lp_host, config)
+    guard_libp2p_inbound(lp_host.get_network(), host.guard)  # net/guard.py
     cache = getattr(lp_host.get_network(), "_negative_peer_cache", None)
     if cache is not None and hasattr(cache, "_ttl"):
         # py-libp2p refuses every dial to a peer for 60 s after one failed: one early failure
@@ -478,7 +485,7 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
         # edges for a whole version in the lab; our callers have their own deadlines and backoff
         cache._ttl = NEGATIVE_CACHE_S
     async with lp_host.run(listen_addrs=[listen]):
-        yield Host(identity, lp_host, config)
+        yield host
 
 
 def _closed(stream: Any) -> bool:

@@ -33,6 +33,7 @@ class ErrorCode(str, Enum):
     REFUSED = "refused"  # the learner refuses this peer (e.g. its leases keep expiring)
     WRONG_INCARNATION = "wrong_incarnation"  # a version of another learner incarnation (an abandoned --resume branch)
     ENV_MISMATCH = "env_mismatch"  # an episode's observations, turn boundaries or reward differ from the learner's replay
+    PEER_LIMIT = "peer_limit"  # too many peers from this address have joined (or hold connections) already
 
 
 class ProtocolError(Exception):

@@ -14,6 +14,8 @@ DEFAULT_CHUNK_BYTES = 256 * KiB
 MAX_CHUNK_BYTES = 8 * MiB
 #: Strings (peer ids, names, prompt text, multiaddrs).
 MAX_STR_BYTES = 64 * KiB
+#: One multiaddr (listen / plan addresses): a DNS name, transport, port and ``/p2p/<id>`` fit.
+MAX_ADDR_BYTES = 512
 #: Any one list (tokens of one completion, tensors of a manifest, chunks of a manifest, ...).
 MAX_LIST_LEN = 1 << 20
 #: Rollouts in one submission, prompts in one lease, samples per prompt.

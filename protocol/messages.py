@@ -16,6 +16,7 @@ from . import limits
 # --- field types -------------------------------------------------------------------------------
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 Text = Annotated[str, StringConstraints(max_length=limits.MAX_STR_BYTES)]
+Addr = Annotated[str, StringConstraints(max_length=limits.MAX_ADDR_BYTES)]  # one multiaddr
 PeerId = Annotated[str, StringConstraints(min_length=32, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")]
 RunId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -72,7 +73,7 @@ class Capability(OptionalFieldsModel):
     tokens_per_s: Annotated[float, Field(ge=0.0, le=limits.MAX_TOKENS_PER_S, allow_inf_nan=False)]  # node's own claim
     price_per_hour: Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]  # what the volunteer asks, in the run's currency unit
     reachable: bool  # can others dial it (interior of broadcast trees)?
-    listen_addrs: Annotated[list[Text], Field(max_length=16)]
+    listen_addrs: Annotated[list[Addr], Field(max_length=16)]
     dtype: Name | None = None  # weights' dtype ("float32", "bfloat16", "float16"); None: float32
 
 
@@ -355,7 +356,7 @@ class PlanMember(OptionalFieldsModel):
     OPTIONAL: ClassVar[tuple[str, ...]] = ("pushes",)
     peer_id: PeerId
     reachable: bool  # may be interior (others can dial it)
-    addrs: Annotated[list[Text], Field(max_length=16)]  # where its children dial it
+    addrs: Annotated[list[Addr], Field(max_length=16)]  # where its children dial it
     pushes: bool | None = None
 
 
@@ -374,7 +375,7 @@ class PlanAnnounce(Message):
     shape: Literal["striped", "tree", "star"]
     fanout: Annotated[int, Field(ge=1, le=64)]
     seed: Annotated[int, Field(ge=0, lt=2**63)]
-    learner_addrs: Annotated[list[Text], Field(max_length=16)]
+    learner_addrs: Annotated[list[Addr], Field(max_length=16)]
     members: Annotated[list[PlanMember], Field(max_length=4096)]
     created_at: Finite
     signature: Signature = b"\0" * 64
@@ -463,7 +464,7 @@ class DialBackRequest(Message):
     the request's connection comes from, so it cannot be made to connect to third parties."""
 
     type: Literal["dial_back_request"] = "dial_back_request"
-    addrs: Annotated[list[Text], Field(max_length=16)]
+    addrs: Annotated[list[Addr], Field(max_length=16)]
 
 
 class DialBackResult(Message):

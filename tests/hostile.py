@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -99,13 +100,15 @@ def oversized_header(announced: int = 16 * 1024 * 1024, sent: int = 64) -> bytes
     return struct.pack(">I", announced) + b"\0" * sent
 
 
-def plan_member(host: Any, nursery: trio.Nursery, learner: str, report: bool, run_id: str = RUN) -> None:
+def plan_member(host: Any, nursery: trio.Nursery, learner: str, report: bool | Callable[[int], bool],
+                run_id: str = RUN) -> None:
     """Make ``host`` a plan member that acknowledges every announce; it reports the version done
-    only if ``report`` (otherwise: the silent member, which answers pings and never reports)."""
+    only if ``report`` (or ``report(version)``); otherwise it is the silent member, which answers
+    pings and never reports."""
 
     async def on_announce(msg: Any, ctx: Any) -> BroadcastAck:
         assert isinstance(msg, PlanAnnounce)
-        if report:
+        if report(msg.version) if callable(report) else report:
             done = BroadcastDone(run_id=run_id, version=msg.version, ok=True, seconds=0.1, recovered_chunks=0,
                                  suspects=[], detail="")
             nursery.start_soon(host.request, learner, DONE, done)

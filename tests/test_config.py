@@ -79,7 +79,8 @@ def test_lease_policy_is_the_lease_section_of_the_learner_config() -> None:
     cfg = LearnerConfig(staleness=2, group_size=4, prompts_per_step=3, prompts_per_lease=5, lease_timeout_s=7.0,
                         liveness_after_s=1.5, ping_timeout_s=2.5, heartbeat_s=0.5, activation="cost",
                         activation_margin=0.5, activation_interval_s=3.0, activation_loss_window_s=60.0,
-                        activation_hysteresis=0.1)
+                        activation_hysteresis=0.1, max_peers_per_ip=3, plan_newcomers=2, plan_max_members=9,
+                        idle_member_drop_s=5.0, dead_member_drop_s=4.0)
     spec = SamplingSpec(temperature=0.7, top_p=1.0, max_new_tokens=9, stop=[])
     policy = LeasePolicy.of(cfg, spec)
     assert policy.sampling == spec

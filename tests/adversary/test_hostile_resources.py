@@ -60,6 +60,27 @@ def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa
     trio.run(main)
 
 
+def test_unmeasured_identities_together_hold_at_most_half_the_in_flight_budget(tiny) -> None:  # noqa: F811
+    """Many fresh identities each take their one lease and never answer: together they get at
+    most half of what may be in flight, and a measured, working peer still gets leases."""
+    async def main() -> None:
+        svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=4, prompts_per_lease=2, staleness=2)
+        svc.note_published(0)
+        honest = Identity.generate()
+        gctx = _join(svc, honest)
+        svc.admission.on_result(honest.peer_id, groups=2, issued_at=time.monotonic() - 1.0)  # measured
+        req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+        held = 0
+        for _ in range(10):
+            reply = await svc.on_lease(req, _join(svc, Identity.generate()))
+            held += len(reply.prompts) if isinstance(reply, Lease) else 0
+        cap = svc.policy.in_flight_cap
+        assert 0 < held <= max(svc.policy.prompts_per_lease, cap // 2) < 20
+        assert isinstance(await svc.on_lease(req, gctx), Lease)
+
+    trio.run(main)
+
+
 def test_unjoined_peer_big_submit_is_refused_unread(tiny) -> None:  # noqa: F811
     """The header announces a 4 MiB body and only a few bytes follow: a learner that reads the
     body first waits out its I/O timeout and answers nothing; one that checks the peer first
@@ -96,6 +117,38 @@ def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
             assert report.seconds < 15  # not the 60 s done timeout
             report2 = await bc.publish(2, save({"w": np.ones(16, dtype=np.float32)}), nodes)
             assert report2.nodes == 1 and report2.completed == [good.peer_id]  # the silent one is left out
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> None:
+    """The silent member's cost is one bounded wait per plan it is in: a member that never
+    reported anything is left out of the next 2^6 plans at its first miss; one that reported
+    before (an honest node that was slow once) only of the next 2."""
+    from safetensors.numpy import save
+
+    async def main() -> None:
+        identity = Identity.generate()
+        async with open_host(identity) as host, open_host(Identity.generate()) as good, \
+                open_host(Identity.generate()) as newcomer, open_host(Identity.generate()) as lapsed, \
+                trio.open_nursery() as nursery:
+            bc = Broadcaster(host, identity, RUN, direct=False, done_timeout_s=60.0)
+            assert bc.straggler_floor_s <= 5.0  # the default wait a silent member costs
+            bc.straggler_floor_s = 0.5
+            bc.install()
+            plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
+            plan_member(newcomer, nursery, host.peer_id, report=False, run_id=RUN)
+            plan_member(lapsed, nursery, host.peer_id, report=lambda v: v == 1, run_id=RUN)
+            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, newcomer, lapsed)]
+            members = []
+            for v in range(1, 7):
+                report = await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
+                members.append({p for p in (newcomer.peer_id, lapsed.peer_id)
+                                if p in report.completed or p in report.missing})
+            assert [newcomer.peer_id in m for m in members] == [True, False, False, False, False, False]
+            # lapsed: reported v1, silent at v2, out of v3-v4, back at v5, out of the next 4 plans
+            assert [lapsed.peer_id in m for m in members] == [True, True, False, False, True, False]
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -1,0 +1,143 @@
+"""Accept-side connection limits: what one address may hold open on a peer, so many connections
+from one host (half-open handshakes, idle sockets) cannot take every slot and honest peers can
+always connect.
+
+``ConnectionGuard`` counts open inbound connections per address (an IPv4 address, an IPv6
+address by its /64: ``ip_key``) and in total; a connection past ``max_per_ip`` or ``max_total`` is
+closed at once, before any handshake work, and counted (``refused``). It guards libp2p's inbound
+connections (``guard_libp2p_inbound``: around py-libp2p's accept handler, which holds a slot for
+the connection's whole life; its security + muxer handshake has ``inbound_upgrade_timeout``,
+``HostConfig.handshake_timeout_s``) and the direct TCP chunk port (``broadcast/chunk_server.py``,
+whose ticket must arrive within the same deadline).
+
+py-libp2p 0.8.1 also ships ``libp2p/rcmgr`` (a resource manager with per-IP limits), but its
+inbound admission "fails open" on any internal error and its limits are process-wide defaults
+tuned for DHT crawls; this guard is twenty lines whose limits are ours and tested.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import trio
+
+log = logging.getLogger("echorl.net.guard")
+
+
+def ip_key(ip: str | None) -> str:
+    """What one host counts as: the IPv4 address, an IPv6 address's /64 ("" if unknown)."""
+    if not ip:
+        return ""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+    return str(addr)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_total: int = 256  # open inbound connections in all
+    max_per_ip: int = 48  # ... from one address (more than the learner's joins per address)
+
+
+class ConnectionGuard:
+    def __init__(self, limits: ConnectionLimits | None = None) -> None:
+        self.limits = limits or ConnectionLimits()
+        self.per_ip: dict[str, int] = {}
+        self.total = 0
+        self.refused = 0
+
+    def try_open(self, ip: str | None) -> bool:
+        """Take a slot for a connection from ``ip``; False (counted) if none is free."""
+        key = ip_key(ip)
+        if self.total >= self.limits.max_total or self.per_ip.get(key, 0) >= self.limits.max_per_ip:
+            self.refused += 1
+            return False
+        self.per_ip[key] = self.per_ip.get(key, 0) + 1
+        self.total += 1
+        return True
+
+    def close(self, ip: str | None) -> None:
+        key = ip_key(ip)
+        left = self.per_ip.get(key, 0) - 1
+        if left > 0:
+            self.per_ip[key] = left
+        else:
+            self.per_ip.pop(key, None)
+        self.total = max(0, self.total - 1)
+
+    @contextmanager
+    def slot(self, ip: str | None) -> Iterator[bool]:
+        """``with guard.slot(ip) as ok:`` a slot held for the block (``ok`` False: refused)."""
+        ok = self.try_open(ip)
+        try:
+            yield ok
+        finally:
+            if ok:
+                self.close(ip)
+
+
+def remote_ip(conn: Any) -> str | None:
+    """The remote IP of a raw connection or trio socket stream (None if unknown)."""
+    get = getattr(conn, "get_remote_address", None)
+    try:
+        if callable(get):
+            addr = get()
+        else:
+            addr = conn.socket.getpeername()
+    except (OSError, AttributeError):
+        return None
+    return str(addr[0]) if isinstance(addr, tuple) and addr else None
+
+
+def _socket_of(conn: Any) -> Any:
+    """The trio socket under a py-libp2p raw TCP connection (None for other transports)."""
+    return getattr(getattr(conn, "stream", None), "socket", None)
+
+
+async def _until_closed(sock: Any, poll_s: float) -> None:
+    while sock.fileno() != -1:
+        await trio.sleep(poll_s)
+
+
+def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard, poll_s: float = 1.0) -> None:
+    """Put ``guard`` in front of py-libp2p's inbound connection handler (looked up on the swarm
+    at each accept, so wrapping the instance attribute covers every listener). py-libp2p's
+    handler never returns while the swarm runs (it parks on the swarm's lifetime after the
+    upgrade), so the slot is released, and the parked handler cancelled, once the connection's
+    socket is closed (checked every ``poll_s``)."""
+    inner = swarm._handle_inbound_connection
+
+    async def guarded(conn: Any, maddr: Any) -> None:
+        ip = remote_ip(conn)
+        with guard.slot(ip) as ok:
+            if not ok:
+                log.debug("inbound connection from %s refused: connection limit", ip)
+                try:
+                    await conn.close()
+                except Exception:  # noqa: BLE001 - closing a refused socket is best effort
+                    pass
+                return
+            sock = _socket_of(conn)
+            if sock is None:
+                await inner(conn, maddr)
+                return
+            async with trio.open_nursery() as nursery:
+                async def serve() -> None:
+                    await inner(conn, maddr)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(serve)
+                await _until_closed(sock, poll_s)
+                nursery.cancel_scope.cancel()
+
+    swarm._handle_inbound_connection = guarded
