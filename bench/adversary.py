@@ -265,16 +265,18 @@ def honest_totals(swarm: Swarm, honest_short: set[str]) -> tuple[int, int]:
 
 async def window(swarm: Swarm, honest_short: set[str], seconds: float, target: Target,
                  fn: Attack | None) -> tuple[float, float, Counter]:
-    """(honest groups/s, steps/s, the attacker's counts) over ``seconds`` with ``fn`` running."""
+    """(honest groups/s, steps/s, the attacker's counts) over ``seconds`` with ``fn`` running.
+    ``seen["cpu_ms"]``: CPU this process (the attacker, on the same cores) used in the window."""
     seen: Counter = Counter()
     async with trio.open_nursery() as nursery:
         s0, g0 = honest_totals(swarm, honest_short)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         if fn is not None:
             nursery.start_soon(fn, target, seen)
         await trio.sleep(seconds)
         s1, g1 = honest_totals(swarm, honest_short)
         dt = time.monotonic() - t0
+        seen["cpu_ms"] = int(1000 * (time.process_time() - c0))
         nursery.cancel_scope.cancel()
     return (g1 - g0) / dt, (s1 - s0) / dt, seen
 
@@ -300,6 +302,7 @@ async def run(args: argparse.Namespace, swarm: Swarm, tmp: Path) -> list[dict[st
                     "clean_goodput": round(clean_g, 3), "attack_goodput": round(att_g, 3),
                     "clean_steps_per_s": round(clean_s, 3), "attack_steps_per_s": round(att_s, 3),
                     "window_s": args.window, "learner_alive": alive,
+                    "attacker_cpu_cores": round(seen.pop("cpu_ms") / 1000 / args.window, 3),
                     "attacker_saw": dict(seen.most_common(8)), "loadavg": [round(x, 2) for x in os.getloadavg()],
                     "baseline": "mean of the clean windows just before and just after, same learner run",
                     "nodes": args.nodes, "config": "small" if args.small else "defaults"})
