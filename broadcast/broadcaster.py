@@ -105,6 +105,7 @@ class NodeInfo:
     peer_id: str
     reachable: bool = True
     addrs: tuple[str, ...] = ()
+    leaf: bool = False  # forwards nothing in this plan (the learner's newcomers that never worked)
 
 
 @dataclass
@@ -311,7 +312,7 @@ class Broadcaster:
         for n in nodes:
             if n.peer_id in self._drop or n.peer_id == self.host.peer_id or self._benched(n.peer_id):
                 continue
-            demoted = self._demote.get(n.peer_id, -1) >= self._n_pub
+            demoted = n.leaf or self._demote.get(n.peer_id, -1) >= self._n_pub
             pushes = True if self.nat_push and not n.reachable and not demoted else None
             members.append(PlanMember(peer_id=n.peer_id, reachable=n.reachable and not demoted,
                                       addrs=list(n.addrs)[:16], pushes=pushes))

@@ -108,12 +108,17 @@ class Roster:
                 self.per_ip.pop(key, None)
 
     # --- plans ----------------------------------------------------------------------------------
+    @staticmethod
+    def is_worker(peer: Any) -> bool:
+        """A peer that has done work for this run (a settled lease or an accepted rollout)."""
+        return peer.groups_accepted > 0 or peer.leases_done > 0
+
     def plan(self, candidates: list[Any]) -> list[Any]:
         """The members of the next broadcast plan out of the live ``candidates`` (see module doc)."""
         pol = self.policy
-        workers = sorted((p for p in candidates if p.groups_accepted > 0 or p.leases_done > 0),
+        workers = sorted((p for p in candidates if self.is_worker(p)),
                          key=lambda p: (-p.groups_accepted, p.joined_at))
-        newcomers = sorted((p for p in candidates if not (p.groups_accepted > 0 or p.leases_done > 0)),
+        newcomers = sorted((p for p in candidates if not self.is_worker(p)),
                            key=lambda p: (self.offered.get(p.peer_id, 0), p.joined_at))
         room = max(0, pol.plan_max_members - min(len(workers), pol.plan_max_members))
         take = newcomers[:min(pol.plan_newcomers, room)]

@@ -384,11 +384,14 @@ class LearnerService(Policing):
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[Any]:
         """The joined nodes a version is broadcast to: alive, heard from recently and chosen by
-        the roster (workers and a few newcomers, ``learner/roster.py``)."""
+        the roster (workers and a few newcomers, ``learner/roster.py``). Once some node has
+        worked, newcomers are leaves: an identity that never worked relays nothing to others."""
         from echorl.broadcast.broadcaster import NodeInfo
 
-        return [NodeInfo(p.peer_id, bool(p.capability.reachable), tuple(p.capability.listen_addrs))
-                for p in self.roster.plan(self.active_peers(window_s))]
+        chosen = self.roster.plan(self.active_peers(window_s))
+        any_worker = any(self.roster.is_worker(p) for p in chosen)
+        return [NodeInfo(p.peer_id, bool(p.capability.reachable), tuple(p.capability.listen_addrs),
+                         leaf=any_worker and not self.roster.is_worker(p)) for p in chosen]
 
     # --- cost-aware activation (architecture §7) ---------------------------------------------------
     def is_standby(self, peer_id: str) -> bool:

@@ -154,6 +154,27 @@ def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> 
     trio.run(main)
 
 
+def test_a_leaf_node_forwards_nothing_in_any_stripe() -> None:
+    from safetensors.numpy import save
+
+    async def main() -> None:
+        identity = Identity.generate()
+        async with open_host(identity) as host, open_host(Identity.generate()) as a, \
+                open_host(Identity.generate()) as b, trio.open_nursery() as nursery:
+            bc = Broadcaster(host, identity, RUN, direct=False, fanout=1)
+            bc.install()
+            for h in (a, b):
+                plan_member(h, nursery, host.peer_id, report=True, run_id=RUN)
+            nodes = [NodeInfo(a.peer_id, True, tuple(a.addrs), leaf=True), NodeInfo(b.peer_id, True, tuple(b.addrs))]
+            await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
+            plan = bc._plans[1]
+            assert all(st.parent_of().get(b.peer_id) != a.peer_id for st in plan.stripes)
+            assert any(st.parent_of().get(a.peer_id) == b.peer_id for st in plan.stripes)  # b relays to a
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_broadcast_done_only_from_members_about_their_own_parents() -> None:
     from echorl.protocol.plan import PlanPeer, plan_broadcast
 

@@ -87,8 +87,11 @@ def test_flood_of_identities_is_capped_per_address_in_plans_and_in_time(tiny) ->
         joined = [me for me, c in zip(sybils, codes) if c == "ok"]
         assert await _join(svc, host, joined[0], "203.0.113.7") == "ok"  # a member's re-join keeps its slot
 
-        plans = [{n.peer_id for n in svc.broadcast_nodes()} for _ in range(4)]
+        infos = [svc.broadcast_nodes() for _ in range(4)]
+        plans = [{n.peer_id for n in info} for info in infos]
         worker_ids = {me.peer_id for me in honest}
+        for info in infos:  # newcomers are leaves once someone worked: a Sybil relays to nobody
+            assert {n.peer_id for n in info if not n.leaf} == worker_ids
         for plan in plans:
             assert worker_ids <= plan and len(plan) == len(worker_ids) + 16
         newcomers = set().union(*plans) - worker_ids
