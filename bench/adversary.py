@@ -263,6 +263,19 @@ def honest_totals(swarm: Swarm, honest_short: set[str]) -> tuple[int, int]:
     return int(last["step"]), sum(n for p, n in (last.get("per_node_groups") or {}).items() if p in honest_short)
 
 
+async def attack_until_refused(fn: Attack, t: Target, seen: Counter) -> None:
+    """Run one attack; the learner refusing it outright (e.g. ``peer_limit`` at its join) ends
+    it and is counted, never the bench."""
+    try:
+        await fn(t, seen)
+    except Exception as exc:  # noqa: BLE001 - an attack stopped by a defence
+        leaf = exc
+        while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+            leaf = leaf.exceptions[0]
+        code = getattr(leaf, "code", None)
+        seen[f"stopped_{getattr(code, 'value', code) or type(leaf).__name__}"] += 1
+
+
 async def window(swarm: Swarm, honest_short: set[str], seconds: float, target: Target,
                  fn: Attack | None) -> tuple[float, float, Counter]:
     """(honest groups/s, steps/s, the attacker's counts) over ``seconds`` with ``fn`` running.
@@ -272,7 +285,7 @@ async def window(swarm: Swarm, honest_short: set[str], seconds: float, target: T
         s0, g0 = honest_totals(swarm, honest_short)
         t0, c0 = time.monotonic(), time.process_time()
         if fn is not None:
-            nursery.start_soon(fn, target, seen)
+            nursery.start_soon(attack_until_refused, fn, target, seen)
         await trio.sleep(seconds)
         s1, g1 = honest_totals(swarm, honest_short)
         dt = time.monotonic() - t0

@@ -141,3 +141,40 @@ def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard, poll_s: float = 1.0
                 nursery.cancel_scope.cancel()
 
     swarm._handle_inbound_connection = guarded
+
+
+class RefusalStrikes:
+    """Peers that keep opening streams they are not admitted on (a stranger hammering SUBMIT):
+    past ``limit`` refusals within ``window_s`` a peer is struck off for ``ban_s`` — its streams
+    are reset before any reply is written and its connection is closed, so each further try
+    costs it a new handshake. Bounded memory: at most ``max_peers`` peers are tracked."""
+
+    def __init__(self, limit: int = 32, window_s: float = 10.0, ban_s: float = 60.0, max_peers: int = 4096) -> None:
+        self.limit, self.window_s, self.ban_s, self.max_peers = limit, window_s, ban_s, max_peers
+        self._count: dict[str, tuple[float, int]] = {}  # peer -> (window start, refusals in it)
+        self._banned: dict[str, float] = {}  # peer -> struck off until
+        self.struck = 0
+
+    def banned(self, peer: str, now: float) -> bool:
+        until = self._banned.get(peer)
+        if until is not None and until <= now:
+            del self._banned[peer]
+            return False
+        return until is not None
+
+    def refuse(self, peer: str, now: float) -> bool:
+        """Count one refusal; True when this one strikes the peer off."""
+        start, n = self._count.get(peer, (now, 0))
+        if now - start > self.window_s:
+            start, n = now, 0
+        if len(self._count) >= self.max_peers and peer not in self._count:
+            self._count.clear()  # a flood of identities: start over rather than grow
+        self._count[peer] = (start, n + 1)
+        if n + 1 < self.limit:
+            return False
+        self._count.pop(peer, None)
+        if len(self._banned) >= self.max_peers:
+            self._banned.pop(next(iter(self._banned)))
+        self._banned[peer] = now + self.ban_s
+        self.struck += 1
+        return True

@@ -47,7 +47,7 @@ from echorl.net.framing import (
     STREAM_ERRORS, CleanEnd, IdleTimeout, Truncated, close_quietly, error_message, protocol_error_from,
     read_frame, reset_quietly, write_message,
 )
-from echorl.net.guard import ConnectionGuard, ConnectionLimits, guard_libp2p_inbound
+from echorl.net.guard import ConnectionGuard, ConnectionLimits, RefusalStrikes, guard_libp2p_inbound
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.routes import RATES
 from echorl.protocol.identity import short_id
@@ -131,6 +131,7 @@ class Host:
         self._routes: dict[str, Route] = {}
         self._pool: dict[tuple[str, str], list[tuple[Any, float]]] = defaultdict(list)
         self._inbound: dict[str, int] = defaultdict(int)
+        self.strikes = RefusalStrikes()  # strangers that keep hammering routes they may not use
         self.guard = ConnectionGuard(config.connection_limits)  # inbound connections (net/guard.py)
 
     # --- addresses and dialing ------------------------------------------------------------------
@@ -259,6 +260,9 @@ class Host:
         peer = "?"
         try:
             peer = str(stream.muxed_conn.peer_id)
+            if self.strikes.banned(peer, trio.current_time()):
+                await reset_quietly(stream)
+                return
             if self._inbound[peer] >= self.config.max_streams_per_peer:
                 self._refused(ErrorCode.RATE_LIMITED)
                 await self._reply(stream, Error(code=ErrorCode.RATE_LIMITED.value, detail="too many streams"))
@@ -281,6 +285,12 @@ class Host:
         while True:
             if route.admit is not None and not route.admit(peer):
                 self._refused(ErrorCode.NOT_FOUND)
+                if self.strikes.refuse(peer, trio.current_time()):
+                    log.warning("%s: %d streams refused unadmitted within %.0f s: struck off for %.0f s",
+                                short_id(peer), self.strikes.limit, self.strikes.window_s, self.strikes.ban_s)
+                    await reset_quietly(stream)
+                    await self.disconnect(peer)
+                    return
                 await self._reply(stream, Error(code=ErrorCode.NOT_FOUND.value, detail="not admitted: join first"))
                 await close_quietly(stream)
                 return

@@ -231,3 +231,28 @@ def test_resave_of_a_version_never_leaves_latest_dangling(tmp_path, tiny, monkey
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # temp files cleaned
     (tmp_path / ck.LATEST).write_text("v99999999")  # names nothing: load falls back to the newest complete
     assert ck.load_checkpoint(tmp_path).cursor == 5
+
+
+def test_stranger_hammering_a_members_only_route_is_struck_off(tiny) -> None:  # noqa: F811
+    """A peer that never joined and keeps opening SUBMIT streams gets ``not_found`` up to the
+    strike limit; then its connection is closed and its streams are reset unanswered for a while."""
+    async def main() -> None:
+        svc = _service(tiny)
+        async with open_host(svc.identity) as host, open_host(Identity.generate()) as foreign:
+            svc.install(host)
+            learner = await foreign.connect(host.addrs[0])
+            answered = 0
+            for _ in range(host.strikes.limit + 8):
+                try:
+                    with trio.fail_after(5):
+                        stream = await foreign.libp2p.new_stream(ID.from_base58(learner), [routes.SUBMIT])
+                        await stream.write(struct.pack(">I", 1 << 20))
+                        body = await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=5, io_timeout=5)
+                    answered += wire.decode(body).code == "not_found"
+                except Exception:  # noqa: BLE001 - reset or disconnected: the strike
+                    pass
+            assert answered == host.strikes.limit - 1 and host.strikes.struck == 1
+            assert host.strikes.banned(foreign.peer_id, trio.current_time())
+            assert host.stats.refused["not_found"] == host.strikes.limit
+
+    trio.run(main)
