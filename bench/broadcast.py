@@ -100,7 +100,7 @@ def read_ready(proc: subprocess.Popen) -> dict:
 
 async def run(args: argparse.Namespace) -> dict:
     size = int(args.size_mb * 1024 * 1024)
-    chunk = int(args.chunk_kb * 1024)
+    chunk = int(args.chunk_kb * 1024) or None  # None: the learner's default, auto_chunk_bytes
     rate = args.upload_mbps * 1e6 / 8
     identity = Identity.generate()
     out: dict = {"load_avg_start": round(os.getloadavg()[0], 2)}
@@ -137,7 +137,8 @@ async def run(args: argparse.Namespace) -> dict:
             tree = await bc.publish(2, data, nodes)  # steady state: the same plan, connections reused
             cpu_tree = cpu_seconds(pids) - cpu0 + time.process_time() - own0
             out.update(
-                peers=args.peers, bytes=len(data), chunk_bytes=chunk, fanout=args.fanout, shape=args.shape,
+                peers=args.peers, bytes=len(data), chunk_bytes=bc.server.states[2].manifest.chunk_bytes,
+                fanout=args.fanout, shape=args.shape,
                 depth=tree.depth, upload_mbps=args.upload_mbps, tree_seconds=round(tree.seconds, 3),
                 lower_bound_seconds=round(len(data) / rate, 3),
                 tree_over_lower_bound=round(tree.seconds / (len(data) / rate), 3),
@@ -184,7 +185,7 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=8.0)
     ap.add_argument("--upload-mbps", type=float, default=20.0)
     ap.add_argument("--fanout", type=int, default=4)
-    ap.add_argument("--chunk-kb", type=float, default=64.0)
+    ap.add_argument("--chunk-kb", type=float, default=0.0, help="0: auto_chunk_bytes (the learner's default)")
     ap.add_argument("--shape", choices=["striped", "tree"], default="striped")
     ap.add_argument("--no-star", action="store_true")
     ap.add_argument("--stall-s", type=float, default=30.0)

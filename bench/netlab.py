@@ -58,7 +58,7 @@ def broadcaster_main(args: argparse.Namespace) -> None:
         identity = Identity.generate()
         size = int(args.size_mb * 1024 * 1024)
         async with open_host(identity, HostConfig(listen="/ip4/0.0.0.0/tcp/4001")) as host:
-            bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=int(args.chunk_kb * 1024),
+            bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=int(args.chunk_kb * 1024) or None,
                              full_every=1, done_timeout_s=args.timeout, direct=not args.no_direct,
                              upload_limit=args.pace_mbps * 1e6 / 8 if args.pace_mbps else None)
             bc.install()
@@ -76,11 +76,19 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                     data = fake_safetensors(size, timed)
                     before = tx_bytes()
                     print(json.dumps({"event": "publishing", "version": timed, "t0": time.time()}), flush=True)
-                    tree = await bc.publish(timed, data, nodes)
+                    samples: list[tuple[float, int]] = []
+                    async with trio.open_nursery() as sampling:
+                        sampling.start_soon(_sample_tx, tx_bytes, samples)
+                        tree = await bc.publish(timed, data, nodes)
+                        sampling.cancel_scope.cancel()
                     sent = tx_bytes() - before
+                    # when the learner's own copy had left (99% of its bytes): the rest is the relays' tail
+                    out[f"learner_send_seconds{suffix}"] = next(
+                        t - samples[0][0] for t, n in samples if n - before >= 0.99 * sent)
                     plan = bc._plans[timed]
                     out.update({f"tree_seconds{suffix}": tree.seconds, f"completed{suffix}": tree.completed,
-                                f"depth{suffix}": tree.depth, f"learner_tx_bytes{suffix}": sent,
+                                f"depth{suffix}": tree.depth,
+                                f"chunk_bytes{suffix}": bc.server.states[timed].manifest.chunk_bytes, f"learner_tx_bytes{suffix}": sent,
                                 f"busiest_node_copies{suffix}": max(plan.upload_copies(n.peer_id) for n in nodes)})
                     if not args.compare:
                         break
@@ -89,6 +97,14 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+async def _sample_tx(tx_bytes, samples: list[tuple[float, int]]) -> None:
+    import trio
+
+    while True:
+        samples.append((time.monotonic(), tx_bytes()))
+        await trio.sleep(0.01)
 
 
 # --- the parent side, in the root namespace ---------------------------------------------------
@@ -142,7 +158,9 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
         nodes.append({"peer_id": ready["peer_id"], "addrs": ready["addrs"], "reachable": not p.nat})
     bc.stdin.write(json.dumps(nodes) + "\n")  # type: ignore[union-attr]
     bc.stdin.flush()  # type: ignore[union-attr]
+    t0 = _json_line(bc, "publishing", args.timeout + 60)["t0"]
     res = _json_line(bc, "result", args.timeout * 2 + 60)
+    receiver_seconds = sorted(_version_time(proc, t0) for _, proc in relays)
     nat_ids = {n["peer_id"] for n, (p, _) in zip(nodes, relays) if p.nat}
     rate = args.uplink_mbps * 1e6 / 8
     bound = res["bytes"] / rate
@@ -150,7 +168,8 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
         proc.stdin.close()  # type: ignore[union-attr]
     out = {
         "nodes": args.nodes, "nat_nodes": args.nat, "uplink_mbps": args.uplink_mbps, "bytes": res["bytes"],
-        "fanout": args.fanout, "chunk_kb": args.chunk_kb, "load_average_1m": os.getloadavg()[0],
+        "fanout": args.fanout, "chunk_kb": res["chunk_bytes"] / 1024, "pace_mbps": args.pace_mbps,
+        "load_average_1m": os.getloadavg()[0],
     }
     for suffix in ("", "_nat_leaves") if args.compare else ("",):
         tree = res[f"tree_seconds{suffix}"]
@@ -162,9 +181,31 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
             f"nodes_received{suffix}": len(res[f"completed{suffix}"]),
             f"nat_nodes_received{suffix}": len(nat_ids & set(res[f"completed{suffix}"])),
             f"learner_upload_copies{suffix}": round(res[f"learner_tx_bytes{suffix}"] / res["bytes"], 3),
+            f"learner_send_seconds{suffix}": round(res[f"learner_send_seconds{suffix}"], 3),
         })
     out["lower_bound_seconds"] = round(bound, 3)
+    # when each node held the (first) timed version, from the learner's start: the spread shows
+    # whether one slow stripe or a uniformly slow pipeline sets tree_seconds
+    out["receiver_seconds"] = [round(s, 3) for s in receiver_seconds]
+    out["uplink_drops"] = sum(_tbf_drops(p) for p in [learner, *peers])
     return out
+
+
+def _version_time(proc: subprocess.Popen, t0: float) -> float:
+    """Seconds from ``t0`` until the relay printed the version published at ``t0`` (its 2nd)."""
+    seen = 0
+    while True:
+        event = _json_line(proc, "version", 60)
+        seen += 1
+        if seen == 2:
+            return event["t"] - t0
+
+
+def _tbf_drops(peer) -> int:
+    """Packets the peer's uplink shaper dropped (its queue overflowed) since the lab was built."""
+    out = subprocess.run(peer.cmd("tc", "-s", "qdisc", "show", "dev", "eth0"), capture_output=True, text=True)
+    found = re.search(r"dropped (\d+)", out.stdout)
+    return int(found.group(1)) if found else 0
 
 
 def _eval_rewards(metrics: Path) -> list[float]:
@@ -227,10 +268,14 @@ def main() -> None:
     ap.add_argument("--uplink-mbps", type=float, default=20.0, help="tbf cap of every peer's uplink")
     ap.add_argument("--size-mb", type=float, default=8.0)
     ap.add_argument("--fanout", type=int, default=4)
-    ap.add_argument("--chunk-kb", type=float, default=256.0)
+    ap.add_argument("--chunk-kb", type=float, default=0.0,
+                    help="chunk size (0: the learner's default, auto_chunk_bytes from the size and the nodes)")
     ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only (no direct TCP)")
-    ap.add_argument("--pace-mbps", type=float, default=0.0,
-                    help="every peer's own upload limiter (0: none, the link alone limits)")
+    ap.add_argument("--pace-mbps", type=float, default=None,
+                    help="every peer's --upload-mbps (default: 0.95 × --uplink-mbps, as docs/network-notes.md "
+                         "tells a volunteer to set it; 0: none, the link alone limits)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="broadcast mode: skip the same run unpaced (the *_unpaced keys)")
     ap.add_argument("--compare", action="store_true",
                     help="also time a version with NAT'd nodes as plain leaves (the *_nat_leaves keys)")
     ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
@@ -247,10 +292,19 @@ def main() -> None:
     why = unavailable()
     if why:
         sys.exit(f"bench/netlab.py: network lab unavailable: {why}")
+    if args.pace_mbps is None:
+        args.pace_mbps = 0.0 if args.train else round(0.95 * args.uplink_mbps, 3)
     with Lab(uplink_mbps=args.uplink_mbps) as lab, tempfile.TemporaryDirectory(prefix="netlab-") as tmp:
         where = Path(args.logs or tmp)
         where.mkdir(parents=True, exist_ok=True)
         out = run_train(lab, args, where) if args.train else run_broadcast(lab, args)
+    if not args.train and args.pace_mbps and not args.no_baseline:
+        # the same broadcast with nothing paced, in a fresh lab: the uplinks' queues fill up
+        unpaced = argparse.Namespace(**{**vars(args), "pace_mbps": 0.0})
+        with Lab(uplink_mbps=args.uplink_mbps) as lab:
+            base = run_broadcast(lab, unpaced)
+        out.update({f"{k}_unpaced": base[k] for k in ("tree_seconds", "tree_over_lower_bound", "nodes_received",
+                                                      "learner_send_seconds", "receiver_seconds", "uplink_drops")})
     emit(out, args.json)
 
 

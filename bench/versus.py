@@ -222,14 +222,14 @@ class Trial:
 
 
 # --- the systems ----------------------------------------------------------------------------------
-def run_echorl(t: Trial, direct: bool) -> dict:
+def run_echorl(t: Trial, direct: bool, pace_mbps: float) -> dict:
     a = argparse.Namespace(size_mb=t.args.size_mb, fanout=t.args.fanout, chunk_kb=t.args.chunk_kb,
-                           timeout=t.args.timeout, no_direct=not direct, pace_mbps=t.args.pace_mbps)
+                           timeout=t.args.timeout, no_direct=not direct, pace_mbps=pace_mbps)
     t.spawn("origin", t.origin, broadcaster_argv(a))
     addr = t.expect({"origin"}, "ready", 120)["origin"]["addr"]
     names = [r.name for r in t.receivers]
     for r in t.receivers:
-        t.spawn(r.name, r, relay_argv(addr, not direct, t.args.pace_mbps))
+        t.spawn(r.name, r, relay_argv(addr, not direct, pace_mbps))
     ready = t.expect(set(names), "ready", 120)
     t.send("origin", json.dumps([{"peer_id": ready[n]["peer_id"], "addrs": ready[n]["addrs"], "reachable": True}
                                  for n in names]))
@@ -297,10 +297,12 @@ def trials(args: argparse.Namespace) -> list[tuple[str, str, object]]:
     """(system, setting, run function) for every system and setting asked for."""
     out: list[tuple[str, str, object]] = []
     for system in args.systems:
-        if system == "echorl-direct":
-            out.append((system, f"fanout{args.fanout}-chunk{args.chunk_kb:g}k", lambda t: run_echorl(t, True)))
-        elif system == "echorl-libp2p":
-            out.append((system, f"fanout{args.fanout}-chunk{args.chunk_kb:g}k", lambda t: run_echorl(t, False)))
+        if system.startswith("echorl-"):
+            chunk = f"chunk{args.chunk_kb:g}k" if args.chunk_kb else "chunkauto"
+            for fraction in args.pace:
+                mbps = round(fraction * args.uplink_mbps, 3)
+                out.append((system, f"fanout{args.fanout}-{chunk}-" + (f"pace{mbps:g}" if mbps else "unpaced"),
+                            lambda t, d=system == "echorl-direct", m=mbps: run_echorl(t, d, m)))
         elif system == "one-to-many":
             out.append((system, "tcp", run_one_to_many))
         elif system == "shardcast":
@@ -325,8 +327,11 @@ def main() -> None:
     ap.add_argument("--churn", type=float, default=0.0, help="fraction of receivers killed at t0 + W/B/2")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--fanout", type=int, default=4, help="echorl: plan fanout")
-    ap.add_argument("--chunk-kb", type=float, default=256.0, help="echorl: chunk size")
-    ap.add_argument("--pace-mbps", type=float, default=0.0, help="echorl: every peer's own upload limiter (0: none)")
+    ap.add_argument("--chunk-kb", type=float, default=0.0,
+                    help="echorl: chunk size (0: the learner's default, auto_chunk_bytes)")
+    ap.add_argument("--pace", default="0.95,0",
+                    help="echorl: every peer's --upload-mbps as fractions of --uplink-mbps, comma-separated, "
+                         "each one trial (0: unpaced; docs/network-notes.md tells volunteers 0.95)")
     ap.add_argument("--lattica", default="256:2,64:2",
                     help="settings BLOCK_KB:CONCURRENCY, comma-separated (each is one trial)")
     ap.add_argument("--shardcast", default="sqrt:1,2:50",
@@ -338,6 +343,7 @@ def main() -> None:
     args.systems = [s for s in args.systems.split(",") if s]
     args.lattica = [s for s in args.lattica.split(",") if s]
     args.shardcast = [s for s in args.shardcast.split(",") if s]
+    args.pace = [float(s) for s in args.pace.split(",") if s]
     Lab, unavailable = _lab_module()
     why = unavailable()
     if why:

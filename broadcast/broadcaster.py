@@ -4,7 +4,7 @@ Integration contract
 --------------------
 Learner (one per run)::
 
-    bc = Broadcaster(host, identity, run_id, fanout=4, chunk_bytes=limits.DEFAULT_CHUNK_BYTES,
+    bc = Broadcaster(host, identity, run_id, fanout=4, chunk_bytes=None,  # None: auto_chunk_bytes
                      full_every=10, upload_limit=UploadLimiter.from_mbps(mbps),  # or bytes/s, or None
                      shape="striped", direct=True, retain=S)  # keep versions ≥ newest − S rebuildable
     bc.install()                                   # routes on the learner's Host
@@ -80,11 +80,11 @@ from typing import Any, Iterable
 import trio
 
 from echorl.protocol import delta as delta_mod
-from echorl.protocol import limits, snapshot, wire
+from echorl.protocol import snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity, short_id
 from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Message, PlanAnnounce, PlanMember
-from echorl.protocol.plan import BroadcastPlan
+from echorl.protocol.plan import BroadcastPlan, auto_chunk_bytes
 from echorl.protocol.routes import ANNOUNCE, DONE
 
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
@@ -129,7 +129,7 @@ class Broadcaster:
     """The learner's publisher. ``upload_limit``: an ``UploadLimiter`` or bytes/s (None = no cap)."""
 
     def __init__(self, host: Host, identity: Identity, run_id: str, *, fanout: int = 4,
-                 chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES, full_every: int = 10,
+                 chunk_bytes: int | None = None, full_every: int = 10,
                  upload_limit: UploadLimiter | float | None = None, shape: str = "striped",
                  announce_timeout_s: float = 10.0, done_timeout_s: float = 0.0, keep: int = 3,
                  direct: bool = True, seed: int = 0, liveness_every_s: float = 2.0,
@@ -147,7 +147,7 @@ class Broadcaster:
         self.incarnation = incarnation if incarnation is not None else secrets.token_bytes(16)
         self.run_id = run_id
         self.fanout = fanout
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes  # None: per version, from its size and the members (auto_chunk_bytes)
         self.full_every = max(1, full_every)
         self.shape = shape
         self.nat_push = nat_push  # NAT'd nodes relay by pushing to reachable children (broadcast/push.py)
@@ -257,9 +257,8 @@ class Broadcaster:
             log.info("v%d: %s never reported done; left out of the next %d plans", version, p[:16],
                      2 ** min(misses, MAX_SILENT_DOUBLINGS))
 
-    async def _build(self, version: int, data: bytes) -> tuple[Manifest, bytes]:
+    async def _build(self, version: int, data: bytes, n_members: int) -> tuple[Manifest, bytes]:
         prev = self._prev
-        chunk_bytes = self.chunk_bytes
 
         def build() -> tuple[Manifest, bytes]:
             payload, kind, base = data, "full", -1
@@ -273,6 +272,7 @@ class Broadcaster:
                         payload, kind, base = d, "delta", prev[0]
                 except ValueError:  # layout changed: full snapshot
                     pass
+            chunk_bytes = self.chunk_bytes or auto_chunk_bytes(len(payload), n_members, self.fanout)
             manifest, _ = snapshot.build_manifest(
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
                 kind=kind, base_version=base, chunk_bytes=chunk_bytes, incarnation=self.incarnation)
@@ -303,7 +303,7 @@ class Broadcaster:
             raise ValueError(f"version {version} is not newer than {self._prev[0]}")
         nodes = [n if isinstance(n, NodeInfo) else NodeInfo(n[0], bool(n[1]), tuple(n[2])) for n in nodes]
         t_build = time.perf_counter()
-        manifest, payload = await self._build(version, safetensors_bytes)
+        manifest, payload = await self._build(version, safetensors_bytes, len(nodes))
         build_seconds = time.perf_counter() - t_build
         self._since_full = 0 if manifest.kind == "full" else self._since_full + 1
         self._prev = (version, safetensors_bytes if manifest.kind == "delta" else None)

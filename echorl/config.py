@@ -57,7 +57,8 @@ class ConfigError(ValueError):
 
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d{1,2})?)$")]
 UploadMbps = Annotated[float, Field(ge=0.0, le=1e6, description="upload cap in Mbit/s (broadcast, relaying, "
-                                                                 "direct fetch); 0: none")]
+                                                                 "direct fetch); about 0.95 x the real uplink keeps "
+                                                                 "the link's queue empty; 0: none")]
 
 
 class ModelFields(Section):

@@ -130,8 +130,9 @@ class LearnerConfig(TrainingFields, LeaseFields, PeerFields):
     full_every: FullEvery = 10
     fanout: int = Field(4, ge=1, le=64)
     """broadcast fanout (stripes)"""
-    chunk_kib: int = Field(256, ge=1, le=limits.MAX_CHUNK_BYTES // 1024)
-    """broadcast chunk size in KiB"""
+    chunk_kib: int = Field(0, ge=0, le=limits.MAX_CHUNK_BYTES // 1024)
+    """broadcast chunk size in KiB (0: per version, W/(16·fanout·depth) rounded to a power of two in
+    64 KiB..1 MiB, which keeps the relay pipeline's fill under 1/16 of the transfer)"""
     broadcast_timeout_s: float = Field(120.0, gt=0.0, le=86_400.0)
     """how long one publication may take"""
     fetch_mbps_per_peer: float = Field(400.0, ge=0.0, le=1e6)

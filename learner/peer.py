@@ -210,7 +210,7 @@ def _broadcaster(cfg: LearnerConfig, host: Any, identity: Any, limiter: Any) -> 
     from echorl.net.ratelimit import RateLimit
 
     per_peer = cfg.fetch_mbps_per_peer * 1e6 / 8
-    return Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024,
+    return Broadcaster(host, identity, cfg.run_id, fanout=cfg.fanout, chunk_bytes=cfg.chunk_kib * 1024 or None,
                        full_every=cfg.full_every, upload_limit=limiter, announce_timeout_s=5.0,
                        done_timeout_s=cfg.broadcast_timeout_s, retain=cfg.staleness,
                        cache_bytes=int(cfg.chunk_cache_mb * 2**20),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -50,16 +51,40 @@ class ConnectionLimits:
 
 
 class ConnectionGuard:
+    MAX_BANNED = 4096
+
     def __init__(self, limits: ConnectionLimits | None = None) -> None:
         self.limits = limits or ConnectionLimits()
         self.per_ip: dict[str, int] = {}
         self.total = 0
         self.refused = 0
+        self._banned: dict[str, float] = {}  # ip_key -> refused until (time.monotonic)
+
+    def ban(self, ip: str | None, seconds: float) -> None:
+        """Refuse every new connection from ``ip`` (its /64 for IPv6) for ``seconds``: a host
+        whose peer was struck off (``RefusalStrikes``) cannot come back under a fresh identity,
+        each try costing us a handshake."""
+        key = ip_key(ip)
+        if not key:
+            return
+        if len(self._banned) >= self.MAX_BANNED and key not in self._banned:
+            self._banned.pop(next(iter(self._banned)))
+        self._banned[key] = time.monotonic() + seconds
+
+    def banned(self, ip: str | None) -> bool:
+        key = ip_key(ip)
+        until = self._banned.get(key)
+        if until is not None and until <= time.monotonic():
+            del self._banned[key]
+            return False
+        return until is not None
 
     def try_open(self, ip: str | None) -> bool:
-        """Take a slot for a connection from ``ip``; False (counted) if none is free."""
+        """Take a slot for a connection from ``ip``; False (counted) if none is free or ``ip``
+        is banned."""
         key = ip_key(ip)
-        if self.total >= self.limits.max_total or self.per_ip.get(key, 0) >= self.limits.max_per_ip:
+        if (self.total >= self.limits.max_total or self.per_ip.get(key, 0) >= self.limits.max_per_ip
+                or self.banned(ip)):
             self.refused += 1
             return False
         self.per_ip[key] = self.per_ip.get(key, 0) + 1
@@ -146,8 +171,9 @@ def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard, poll_s: float = 1.0
 class RefusalStrikes:
     """Peers that keep opening streams they are not admitted on (a stranger hammering SUBMIT):
     past ``limit`` refusals within ``window_s`` a peer is struck off for ``ban_s`` — its streams
-    are reset before any reply is written and its connection is closed, so each further try
-    costs it a new handshake. Bounded memory: at most ``max_peers`` peers are tracked."""
+    are reset before any reply is written and its connection is closed, and its address is banned
+    from connecting for as long (``ConnectionGuard.ban``) unless an admitted peer shares it (the
+    host decides: ``Host._strike``). Bounded memory: at most ``max_peers`` peers are tracked."""
 
     def __init__(self, limit: int = 32, window_s: float = 10.0, ban_s: float = 60.0, max_peers: int = 4096) -> None:
         self.limit, self.window_s, self.ban_s, self.max_peers = limit, window_s, ban_s, max_peers

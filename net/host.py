@@ -280,16 +280,32 @@ class Host:
             log.exception("stream %s from %s failed: %s", route.protocol, short_id(peer), exc)
             await reset_quietly(stream)
 
+    async def _strike(self, peer: str) -> None:
+        """``peer`` was struck off (``RefusalStrikes``): close its connection and ban its address
+        for as long, unless a peer admitted on some route shares that address (a NAT or a
+        shared host: one hostile identity must not lock out the honest peers behind it)."""
+        ip = self.remote_ip(peer)
+        shared = ip is not None and any(
+            other != peer and self.remote_ip(other) == ip and self._admitted_anywhere(other)
+            for other in self.connected_peers())
+        if ip is not None and not shared:
+            self.guard.ban(ip, self.strikes.ban_s)
+        log.warning("%s: %d streams refused unadmitted within %.0f s: struck off for %.0f s%s",
+                    short_id(peer), self.strikes.limit, self.strikes.window_s, self.strikes.ban_s,
+                    "" if ip is None or shared else f", its address {ip} banned as long")
+        await self.disconnect(peer)
+
+    def _admitted_anywhere(self, peer: str) -> bool:
+        return any(r.admit is not None and r.admit(peer) for r in self._routes.values())
+
     async def _serve_loop(self, route: Route, stream: Any, peer: str) -> None:
         cfg = self.config
         while True:
             if route.admit is not None and not route.admit(peer):
                 self._refused(ErrorCode.NOT_FOUND)
                 if self.strikes.refuse(peer, trio.current_time()):
-                    log.warning("%s: %d streams refused unadmitted within %.0f s: struck off for %.0f s",
-                                short_id(peer), self.strikes.limit, self.strikes.window_s, self.strikes.ban_s)
                     await reset_quietly(stream)
-                    await self.disconnect(peer)
+                    await self._strike(peer)
                     return
                 await self._reply(stream, Error(code=ErrorCode.NOT_FOUND.value, detail="not admitted: join first"))
                 await close_quietly(stream)

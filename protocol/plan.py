@@ -82,6 +82,32 @@ class BroadcastPlan:
         return sum(len(s.children.get(peer_id, ())) for s in self.stripes) / len(self.stripes)
 
 
+AUTO_CHUNK_MIN = 64 * 1024
+AUTO_CHUNK_MAX = 1024 * 1024
+
+
+def expected_depth(n_peers: int, fanout: int) -> int:
+    """Hops from the learner to the deepest peer of a striped plan over ``n_peers``."""
+    if n_peers <= 1 or fanout <= 1:
+        return max(n_peers, 1)
+    return 1 + math.ceil(math.log(n_peers) / math.log(fanout) - 1e-9)
+
+
+def auto_chunk_bytes(payload_bytes: int, n_peers: int, fanout: int) -> int:
+    """A chunk size for one version: a power of two near W / (16·k·depth), in [64 KiB, 1 MiB].
+
+    A relay forwards a chunk once it has all of it, so the last chunk reaches the deepest peer
+    (depth − 1) chunk-times after the learner sent it, a chunk-time being c / (B/k) (a stripe's
+    share of an uplink). With c = W / (16·k·depth) that fill is under 1/16 of W/B; smaller
+    chunks cost per-chunk work (a frame, a hash, a manifest entry) without buying time."""
+    depth = expected_depth(n_peers, fanout)
+    target = payload_bytes / (16 * max(fanout, 1) * depth)
+    size = AUTO_CHUNK_MIN
+    while size * 2 <= min(target, AUTO_CHUNK_MAX):
+        size *= 2
+    return size
+
+
 def _shuffled(peers: list[PlanPeer], seed: int) -> list[PlanPeer]:
     def key(p: PlanPeer) -> bytes:
         return hashlib.sha256(f"{seed}:{p.peer_id}".encode()).digest()

@@ -20,7 +20,7 @@ from echorl.learner.buffer import StalenessBuffer
 from echorl.learner.service import LearnerService, LeasePolicy
 from echorl.protocol import routes
 from echorl.net.framing import read_frame
-from echorl.net.host import RequestContext, open_host
+from echorl.net.host import PeerUnavailable, RequestContext, open_host
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
@@ -233,26 +233,59 @@ def test_resave_of_a_version_never_leaves_latest_dangling(tmp_path, tiny, monkey
     assert ck.load_checkpoint(tmp_path).cursor == 5
 
 
+async def _hammer_submit(foreign, learner: str, times: int) -> int:
+    """Open SUBMIT streams as a peer that never joined; how many got a ``not_found`` answer."""
+    answered = 0
+    for _ in range(times):
+        try:
+            with trio.fail_after(5):
+                stream = await foreign.libp2p.new_stream(ID.from_base58(learner), [routes.SUBMIT])
+                await stream.write(struct.pack(">I", 1 << 20))
+                body = await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=5, io_timeout=5)
+            answered += wire.decode(body).code == "not_found"
+        except Exception:  # noqa: BLE001 - reset or disconnected: the strike
+            pass
+    return answered
+
+
 def test_stranger_hammering_a_members_only_route_is_struck_off(tiny) -> None:  # noqa: F811
     """A peer that never joined and keeps opening SUBMIT streams gets ``not_found`` up to the
-    strike limit; then its connection is closed and its streams are reset unanswered for a while."""
+    strike limit; then its connection is closed, its streams are reset unanswered for a while,
+    and its address may not connect again under a fresh identity (no admitted peer shares it)."""
     async def main() -> None:
         svc = _service(tiny)
         async with open_host(svc.identity) as host, open_host(Identity.generate()) as foreign:
             svc.install(host)
             learner = await foreign.connect(host.addrs[0])
-            answered = 0
-            for _ in range(host.strikes.limit + 8):
-                try:
-                    with trio.fail_after(5):
-                        stream = await foreign.libp2p.new_stream(ID.from_base58(learner), [routes.SUBMIT])
-                        await stream.write(struct.pack(">I", 1 << 20))
-                        body = await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=5, io_timeout=5)
-                    answered += wire.decode(body).code == "not_found"
-                except Exception:  # noqa: BLE001 - reset or disconnected: the strike
-                    pass
+            answered = await _hammer_submit(foreign, learner, host.strikes.limit + 8)
             assert answered == host.strikes.limit - 1 and host.strikes.struck == 1
             assert host.strikes.banned(foreign.peer_id, trio.current_time())
             assert host.stats.refused["not_found"] == host.strikes.limit
+            assert host.guard.banned("127.0.0.1")
+            refused = host.guard.refused
+            async with open_host(Identity.generate()) as fresh:  # same address, new identity
+                with pytest.raises(PeerUnavailable):
+                    await fresh.connect(host.addrs[0])
+            assert host.guard.refused > refused
+
+    trio.run(main)
+
+
+def test_a_struck_stranger_does_not_ban_an_address_an_admitted_peer_shares(tiny) -> None:  # noqa: F811
+    """Behind one NAT (here: one loopback) a hostile identity is struck off alone: the address
+    stays open because a joined node connects from it too."""
+    async def main() -> None:
+        svc = _service(tiny)
+        member = Identity.generate()
+        async with open_host(svc.identity) as host, open_host(member) as honest, \
+                open_host(Identity.generate()) as foreign:
+            svc.install(host)
+            await honest.connect(host.addrs[0])
+            _join(svc, member)
+            learner = await foreign.connect(host.addrs[0])
+            await _hammer_submit(foreign, learner, host.strikes.limit + 2)
+            assert host.strikes.struck == 1 and not host.guard.banned("127.0.0.1")
+            async with open_host(Identity.generate()) as fresh:
+                assert await fresh.connect(host.addrs[0]) == learner
 
     trio.run(main)

@@ -44,8 +44,9 @@ def assert_all_verified(rows: list[dict], systems: set[str]) -> None:
 
 
 def test_echorl_and_one_to_many_deliver_verified_copies():
-    rows = versus("--systems", "echorl-direct,one-to-many")
+    rows = versus("--systems", "echorl-direct,one-to-many", "--pace", "0.95")
     assert_all_verified(rows, {"echorl-direct", "one-to-many"})
+    assert [r["setting"] for r in rows if r["system"] == "echorl-direct"] == ["fanout4-chunkauto-pace95"]
     by = {r["system"]: r for r in rows}
     # the floor sends every receiver its own copy; echorl's origin sends about one
     assert by["one-to-many"]["origin_upload_copies"] >= 2.9

@@ -139,3 +139,18 @@ def test_pushes_is_left_out_of_the_signed_bytes_unless_set():
     assert "pushes" not in plain.model_dump()
     pusher = PlanMember(peer_id="p" * 46, reachable=False, addrs=[], pushes=True)
     assert pusher.model_dump()["pushes"] is True
+
+
+def test_auto_chunk_size_keeps_the_pipeline_fill_small():
+    from echorl.protocol.plan import AUTO_CHUNK_MAX, AUTO_CHUNK_MIN, auto_chunk_bytes, expected_depth
+
+    assert expected_depth(8, 4) == 3 and expected_depth(16, 4) == 3 and expected_depth(17, 4) == 4
+    sizes = []
+    for mb in (1, 8, 64, 512, 4096, 65536):
+        w = mb * 2**20
+        c = auto_chunk_bytes(w, 16, 4)
+        assert AUTO_CHUNK_MIN <= c <= AUTO_CHUNK_MAX and c & (c - 1) == 0  # a power of two in range
+        if AUTO_CHUNK_MIN < c < AUTO_CHUNK_MAX:  # not clamped: fill (depth−1)·c·k ≤ W/16
+            assert (expected_depth(16, 4) - 1) * c * 4 <= w / 16
+        sizes.append(c)
+    assert sizes == sorted(sizes) and sizes[0] == AUTO_CHUNK_MIN and sizes[-1] == AUTO_CHUNK_MAX
