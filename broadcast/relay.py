@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import random
 from pathlib import Path
 import time
 from collections.abc import Callable
@@ -260,15 +261,20 @@ class Relay:
             await source.aclose()
 
     async def _recover(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
-        """Pull the stripe's missing chunks from any holder: my other parents, then other
-        members, the learner last (it holds everything)."""
+        """Pull the stripe's missing chunks from any holder: my other parents and up to eight
+        other members (a random eight per relay, and each chunk starts at a different one of
+        them, so the orphans of a dead relay spread over many uplinks instead of converging on
+        the same few), the learner last (it holds everything, but its uplink is the scarcest)."""
         others = [p for p in dict.fromkeys(state.parents.values()) if p and p not in suspects and p != self.learner]
         rest = [p for p in state.plan.peers if p not in suspects and p not in others and p != self.host.peer_id]
-        sources = others + rest[:4] + [self.learner]
+        random.shuffle(rest)
+        peers = others + rest[:8]
         missing = [i for i in state.stripe_indices(s) if not state.has(i)]
         limiter = trio.CapacityLimiter(4)
 
         async def fetch(i: int) -> None:
+            k = i % len(peers) if peers else 0
+            sources = peers[k:] + peers[:k] + [self.learner]
             async with limiter:
                 d = state.manifest.chunks[i].digest
                 for attempt in range(1000):

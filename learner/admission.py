@@ -37,6 +37,7 @@ class AdmissionPolicy:
     expiry_backoff_s: float = 2.0  # after the k-th expiry in a row: wait this × 2^(k-1) ...
     expiry_backoff_max_s: float = 120.0  # ... at most this long
     refuse_after_expiries: int = 6  # expiries in a row after which the peer is refused (0: never)
+    apply_bytes_per_s: float = 100e6  # slowest weight load a lease waits for (bytes/s): see ``deadline``
 
 
 @dataclass
@@ -62,11 +63,14 @@ class Admission:
     def __init__(self, policy: AdmissionPolicy | None = None, held_versions: int = 8) -> None:
         self.policy = policy or AdmissionPolicy()
         self.held: deque[int] = deque(maxlen=max(2, held_versions))
+        self.weights_bytes = 0  # the newest full snapshot's size
         self.loads: dict[str, PeerLoad] = {}
         self.contributors: OrderedDict[str, str] = OrderedDict()  # prompt id -> peer id of its buffered group
 
     # --- versions -------------------------------------------------------------------------------
-    def note_published(self, version: int) -> None:
+    def note_published(self, version: int, weights_bytes: int = 0) -> None:
+        if weights_bytes > 0:
+            self.weights_bytes = weights_bytes
         if version not in self.held:
             self.held.append(version)
 
@@ -140,12 +144,16 @@ class Admission:
                  base_s: float, declared_tokens_per_s: float) -> float:
         """A lease's deadline: 4× the expected time, at least ``base_s``; expected from the
         learner-measured rate (at most 20× ``base_s``), else from the declared tokens/s but at
-        most ``unmeasured_deadline_factor`` × ``base_s``."""
+        most ``unmeasured_deadline_factor`` × ``base_s``; plus the time to load one version at
+        ``apply_bytes_per_s``, since a version published while the node works is loaded into its
+        engine before the lease's next sample (0.02 s for the 2 MB default model, 10 min for
+        60 GB: a measured generation rate says nothing about that)."""
+        apply_s = self.weights_bytes / self.policy.apply_bytes_per_s
         rate = self.load(peer_id).groups_per_s
         if rate > 0:
-            return min(max(base_s, 4.0 * n_prompts / rate), 20.0 * base_s)
+            return min(max(base_s, 4.0 * n_prompts / rate), 20.0 * base_s) + apply_s
         expected = n_prompts * group_size * max_new_tokens / max(declared_tokens_per_s, 1e-3)
-        return min(max(base_s, 4.0 * expected), self.policy.unmeasured_deadline_factor * base_s)
+        return min(max(base_s, 4.0 * expected), self.policy.unmeasured_deadline_factor * base_s) + apply_s
 
     def on_result(self, peer_id: str, groups: int, issued_at: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

@@ -117,7 +117,7 @@ class Publisher:
         t0 = time.perf_counter()
         data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
         serialize_s = time.perf_counter() - t0
-        self.service.note_published(version)
+        self.service.note_published(version, weights_bytes=len(data))
         report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
         rec = BroadcastRecord(version, report.kind, report.seconds, report.build_seconds, serialize_s,
                               report.bytes, report.result_bytes, report.nodes, len(report.completed),

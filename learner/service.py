@@ -140,10 +140,12 @@ class LearnerService(Policing):
     def version(self) -> int:
         return self._version()
 
-    def note_published(self, version: int) -> None:
-        """A version is held for the fetch fallback and being broadcast: nodes may ask for it."""
+    def note_published(self, version: int, weights_bytes: int = 0) -> None:
+        """A version is held for the fetch fallback and being broadcast: nodes may ask for it.
+        ``weights_bytes`` (the full snapshot's size) lengthens every lease by the time a node
+        may spend loading a version that arrives while it works (``Admission.deadline``)."""
         self.published = max(self.published, version)
-        self.admission.note_published(version)
+        self.admission.note_published(version, weights_bytes)
 
     async def wait_for_submission(self, timeout_s: float) -> None:
         """Until the next accepted submission (or ``timeout_s``, or :meth:`stop`)."""

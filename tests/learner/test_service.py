@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import trio
 
 from echorl.learner.buffer import StalenessBuffer
@@ -74,6 +75,23 @@ def test_lease_deadline_scales_with_the_learner_measured_rate_and_is_capped() ->
     assert adm.deadline("slow", 4, declared_tokens_per_s=1e6, **args) == 160.0  # 4 × 40 s, declared ignored
     adm.on_result("crawl", groups=1, issued_at=0.0, now=1000.0)
     assert adm.deadline("crawl", 4, declared_tokens_per_s=1e6, **args) == 600.0  # capped at 20 × base
+
+
+def test_lease_deadline_adds_the_time_to_load_a_version_of_the_published_size() -> None:
+    """A version published mid-lease is loaded before the lease's next sample: a 60 GB model's
+    leases get 10 minutes more (at 100 MB/s), past the measured-rate cap; a 2 MB one 0.02 s."""
+    from echorl.learner.admission import Admission
+
+    adm = Admission()
+    args = dict(group_size=8, max_new_tokens=256, base_s=30.0, declared_tokens_per_s=0.0)
+    adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)
+    adm.note_published(0, weights_bytes=2_000_000)
+    assert adm.deadline("fast", 4, **args) == pytest.approx(30.0 + 0.02)
+    adm.note_published(1)  # a delta: the model's size is unchanged
+    assert adm.deadline("fast", 4, **args) == pytest.approx(30.02)
+    adm.note_published(2, weights_bytes=60_000_000_000)
+    assert adm.deadline("fast", 4, **args) == pytest.approx(30.0 + 600.0)
+    assert adm.deadline("new", 4, **args) == pytest.approx(120.0 + 600.0)  # unmeasured: 4 × base + load
 
 
 def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() -> None:
