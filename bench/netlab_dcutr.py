@@ -20,7 +20,8 @@ inbound (tests/netlab.py). A and B reserve on the relay; A dials B through
    (manual_ok). This says whether hole punching through these NATs works at all, so a
    failure of (1) can be put on the library or on the NAT.
 
-Prints one JSON line (the NATs' nft counters and conntrack entries are included when present).
+Prints one JSON line, with the NATs' conntrack TCP entries and the library's own DCUtR log
+lines (full logs: the ``logs`` folder it names).
 Hosts are plain ``libp2p.new_host`` ones (default connection limits), not echorl's
 ``open_host``, which allows one connection per peer and so could never add a direct one.
 """
@@ -42,6 +43,7 @@ from libp2p import new_host
 from libp2p.crypto.secp256k1 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2 import PROTOCOL_ID, CircuitV2Protocol, CircuitV2Transport
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
@@ -50,16 +52,13 @@ from libp2p.tools.anyio_service import background_trio_service
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit  # noqa: E402
 from netlab import ENV, _lab_module  # noqa: E402 - bench/netlab.py
+from netlab_relay import _line, out  # noqa: E402 - one JSON line per event, read back
 
 ECHO = TProtocol("/echo/1")
 SWAP = TProtocol("/echorl-lab/swap/1")  # the manual try's address exchange, over the relay
 MANUAL_PORT = {"a": 47001, "b": 47002}
 DCUTR_S = 45.0  # the library's try: a 10 s unilateral dial, the exchange, 3 rounds of <= 5 s + 2 s
 MANUAL_S = 10.0
-
-
-def out(**kw: object) -> None:
-    print(json.dumps(kw), flush=True)
 
 
 def _err(exc: BaseException) -> str:
@@ -96,7 +95,7 @@ async def role_main(role: str, argv: list[str]) -> None:
                 return
             relay_info = multiaddr.Multiaddr(argv[1])
             relay_id = ID.from_base58(relay_info.value_for_protocol("p2p"))
-            await host.connect(_peer_info(relay_info))
+            await host.connect(info_from_p2p_addr(relay_info))
             transport = CircuitV2Transport(host, relay, RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT))
             dcutr = DCUtRProtocol(host)
             async with background_trio_service(dcutr), trio.open_nursery() as nursery:
@@ -113,11 +112,6 @@ async def role_main(role: str, argv: list[str]) -> None:
                     out(event="result", reserved=reserved,
                         **await _a_run(host, transport, dcutr, argv[1], ID.from_base58(argv[2])))
                 nursery.cancel_scope.cancel()
-
-
-def _peer_info(addr: multiaddr.Multiaddr) -> Any:
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-    return info_from_p2p_addr(addr)
 
 
 async def _echo(host: Any, peer: ID, message: bytes) -> bool:
@@ -140,7 +134,7 @@ async def _a_run(host: Any, transport: CircuitV2Transport, dcutr: DCUtRProtocol,
         res["error"] = _err(exc)
         return res
     res["observed"] = [str(a) for a in host._observed_addr_manager.addrs(min_observers=1)]
-    res["advertised"] = [multiaddr.Multiaddr(x).__str__() for x in await dcutr._get_observed_addrs()]
+    res["advertised"] = [str(multiaddr.Multiaddr(x)) for x in await dcutr._get_observed_addrs()]
     res["dcutr_attempted"] = True
     try:
         with trio.fail_after(DCUTR_S):
@@ -217,13 +211,11 @@ async def _simultaneous_open(port: int, ip: str, their_port: int) -> bool:
 
 
 # --- the driver -----------------------------------------------------------------------------------
-def _line(proc: subprocess.Popen) -> dict | None:
-    for text in proc.stdout:  # type: ignore[union-attr]
-        try:
-            return json.loads(text)
-        except ValueError:
-            continue
-    return None
+def _outcomes(log: Path) -> list[str]:
+    """The library's own words on each DCUtR session (its INFO/WARNING lines), first few."""
+    keys = ("Unilateral", "Successfully established", "Failed to establish", "Maximum hole punch", "Timeout in DCUtR")
+    text = log.read_text(errors="replace").splitlines()
+    return [line.strip()[-140:] for line in text if any(k in line for k in keys)][:6]
 
 
 def _nat_view(lab: Any) -> dict:
@@ -245,18 +237,21 @@ def experiment(nat_mode: str = "reset") -> dict:
         sys.exit(f"bench/netlab_dcutr.py: network lab unavailable: {why}")
     me = [sys.executable, str(Path(__file__).resolve()), "--role"]
     logs = Path(tempfile.mkdtemp(prefix="netlab_dcutr-"))
+    # the library's session outcomes on stderr (and its own log file, kept with ours)
+    env = {role: {**ENV, "LIBP2P_DEBUG": "relay.circuit_v2.dcutr:INFO",
+                  "LIBP2P_DEBUG_FILE": str(logs / f"{role}.libp2p")} for role in ("a", "b")}
     t = time.perf_counter()
     with Lab(nat_silent=nat_mode == "silent") as lab:
         relay, a, b = lab.add_peer("relay"), lab.add_peer("a", nat=True), lab.add_peer("b", nat=True, nat_index=1)
         r = subprocess.Popen(relay.cmd(*me, "relay", relay.ip), stdout=subprocess.PIPE, text=True, env=ENV)
         relay.procs.append(r)
         relay_addr = (_line(r) or {})["addr"]
-        bp = subprocess.Popen(b.cmd(*me, "b", b.ip, relay_addr), stdout=subprocess.PIPE, text=True, env=ENV,
+        bp = subprocess.Popen(b.cmd(*me, "b", b.ip, relay_addr), stdout=subprocess.PIPE, text=True, env=env["b"],
                               stderr=(logs / "b.log").open("w"))
         b.procs.append(bp)
         ready = _line(bp) or {}
         res = subprocess.run(a.cmd(*me, "a", a.ip, relay_addr, ready.get("peer_id", "")), capture_output=True,
-                             text=True, env=ENV, timeout=120)
+                             text=True, env=env["a"], timeout=120)
         (logs / "a.log").write_text(res.stderr)
         lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
         result = lines[-1] if lines else {"error": f"peer A printed nothing (rc {res.returncode}): "
@@ -265,13 +260,15 @@ def experiment(nat_mode: str = "reset") -> dict:
         lab.stop_processes(grace_s=5)
         b_manual = _line(bp) or {}
     result.pop("event", None)
-    return {"nat": nat_mode, "relayed_ok": bool(result.get("relayed_ok")), "dcutr_attempted": bool(result.get("dcutr_attempted")),
+    return {"nat": nat_mode, "relayed_ok": bool(result.get("relayed_ok")),
+            "dcutr_attempted": bool(result.get("dcutr_attempted")),
             "direct_ok": bool(result.get("direct_ok")), "manual_ok": bool(result.get("manual_ok")),
             "seconds": result.get("seconds"), "error": result.get("error"),
             "manual_error": result.get("manual_error") or b_manual.get("error"),
             "b_reserved": bool(ready.get("reserved")),
             "detail": {k: v for k, v in result.items() if k not in {"relayed_ok", "dcutr_attempted", "direct_ok",
                                                                  "manual_ok", "seconds", "error", "manual_error"}},
+            "library_said": {"a": _outcomes(logs / "a.log"), "b": _outcomes(logs / "b.log")},
             "nats": nats, "logs": str(logs), "total_seconds": round(time.perf_counter() - t, 1)}
 
 
