@@ -8,6 +8,8 @@ Topology (all inside namespaces this lab creates; nothing is added to the root n
                                     └─ veth ── nat ns eth0        198.18.0.254/24
     nat ns: nftables masquerade out of eth0, drops new inbound; bridge lan0 198.18.1.1/24
                                     └─ veth ── peer ns "nat-N"    198.18.1.x/24, default via .1
+    nat1 ns (only when a peer asks for ``nat_index=1``): the same, public side 198.18.0.253,
+    LAN 198.18.2.0/24 (two NATs: NAT-to-NAT experiments such as hole punching)
 
 A NAT'd node reaches every public peer (its connections leave masqueraded as 198.18.0.254); no
 public peer can dial it (no route to 198.18.1.0/24, and the NAT drops unsolicited inbound).
@@ -33,6 +35,8 @@ from pathlib import Path
 PREFIX = "echorl-lab-"
 PUBLIC_NET = "198.18.0"
 NAT_NET = "198.18.1"
+# per NAT index: (namespace role, public address on the hub, LAN prefix)
+NATS = (("nat", f"{PUBLIC_NET}.254", NAT_NET), ("nat1", f"{PUBLIC_NET}.253", "198.18.2"))
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -107,14 +111,18 @@ class Peer:
 class Lab:
     """Build with ``Lab()``; add peers; ``close()`` (or the context manager) tears it down."""
 
-    def __init__(self, uplink_mbps: float = 0.0) -> None:
+    def __init__(self, uplink_mbps: float = 0.0, nat_silent: bool = False) -> None:
+        """``nat_silent``: the NATs also drop unsolicited packets addressed to their own public
+        side, as most home routers do; without it (the default) the NAT's kernel answers an
+        unsolicited SYN with a RST ("connection refused"), which defeats TCP hole punching."""
         clean_leftovers()
+        self.nat_silent = nat_silent
         self.tag = f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}"
         self.uplink_mbps = uplink_mbps
         self.peers: dict[str, Peer] = {}
         self._namespaces: list[str] = []
-        self._next = {"pub": 2, "nat": 2}
-        self._nat_ready = False
+        self._next = {"pub": 2, "nat": 2, "nat1": 2}
+        self._nat_ns: dict[int, str] = {}
         atexit.register(self.close)
         try:
             self.hub = self._namespace("hub")
@@ -156,43 +164,54 @@ class Lab:
             self._run(ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{mbps}mbit",
                       "burst", str(burst), "latency", "200ms")
 
-    def _build_nat(self) -> None:
-        nat = self._namespace("nat")
-        self._wire(nat, self.hub, "br0", "vnat", f"{PUBLIC_NET}.254", 0.0)
+    def _build_nat(self, index: int) -> str:
+        role, public_ip, lan = NATS[index]
+        nat = self._namespace(role)
+        self._wire(nat, self.hub, "br0", f"v{role}", public_ip, 0.0)
         self._run(nat, "ip", "link", "add", "lan0", "type", "bridge")
-        self._run(nat, "ip", "addr", "add", f"{NAT_NET}.1/24", "dev", "lan0")
+        self._run(nat, "ip", "addr", "add", f"{lan}.1/24", "dev", "lan0")
         self._run(nat, "ip", "link", "set", "lan0", "up")
         self._run(nat, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         rules = ("table ip echorl_lab_nat {\n"
                  " chain masq { type nat hook postrouting priority 100; oifname \"eth0\" masquerade; }\n"
                  " chain gate { type filter hook forward priority 0; policy drop;\n"
                  "  ct state established,related accept; iifname \"lan0\" oifname \"eth0\" accept; }\n"
-                 "}\n")
+                 + (" chain mute { type filter hook input priority 0;\n"
+                    "  iifname \"eth0\" ct state established,related accept; iifname \"eth0\" drop; }\n"
+                    if self.nat_silent else "")
+                 + "}\n")
         out = subprocess.run(["ip", "netns", "exec", nat, "nft", "-f", "-"], input=rules, capture_output=True,
                              text=True, timeout=30)
         if out.returncode != 0:
             raise RuntimeError(f"nft in {nat}: {out.stderr.strip()}")
-        self.nat_ns = nat
-        self._nat_ready = True
+        if index == 0:
+            self.nat_ns = nat
+        self._nat_ns[index] = nat
+        return nat
 
-    def add_peer(self, name: str, nat: bool = False, uplink_mbps: float | None = None) -> Peer:
-        """A namespace with one address: public (198.18.0.x on the hub bridge) or behind the NAT
-        (198.18.1.x on the NAT's LAN bridge, default route through the NAT)."""
+    def add_peer(self, name: str, nat: bool = False, uplink_mbps: float | None = None,
+                 nat_index: int = 0) -> Peer:
+        """A namespace with one address: public (198.18.0.x on the hub bridge) or behind a NAT
+        (``nat_index`` 0: 198.18.1.x behind 198.18.0.254; 1: 198.18.2.x behind 198.18.0.253;
+        on that NAT's LAN bridge, default route through it)."""
+        if nat and nat_index not in range(len(NATS)):
+            raise ValueError(f"nat_index must be 0..{len(NATS) - 1}, got {nat_index}")
         mbps = self.uplink_mbps if uplink_mbps is None else uplink_mbps
-        kind = "nat" if nat else "pub"
+        kind = NATS[nat_index][0] if nat else "pub"
         if name == "learner" and not nat:
             host = 1
         else:
             host = self._next[kind]
             self._next[kind] += 1
-        if nat and not self._nat_ready:
-            self._build_nat()
+        if nat and nat_index not in self._nat_ns:
+            self._build_nat(nat_index)
         ns = self._namespace(name)
-        ip = f"{NAT_NET if nat else PUBLIC_NET}.{host}"
+        lan = NATS[nat_index][2]
+        ip = f"{lan if nat else PUBLIC_NET}.{host}"
         port = f"v{kind}{host}"
         if nat:
-            self._wire(ns, self.nat_ns, "lan0", port, ip, mbps)
-            self._run(ns, "ip", "route", "add", "default", "via", f"{NAT_NET}.1")
+            self._wire(ns, self._nat_ns[nat_index], "lan0", port, ip, mbps)
+            self._run(ns, "ip", "route", "add", "default", "via", f"{lan}.1")
         else:
             self._wire(ns, self.hub, "br0", port, ip, mbps)
         peer = Peer(name, ns, ip, nat)
