@@ -33,6 +33,8 @@ from echorl.broadcast.files import ChunkCache, create_file, read_at, write_at
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 _OURS = re.compile(r"^v\d+-\d+\.(payload|safetensors)$")
+_TMP_STORE = re.compile(r"^echorl-store-(\d+)-")
+STALE_TMP_STORE_S = 600.0  # a dead process's temporary store is removed once untouched this long
 _uid = itertools.count()
 
 
@@ -51,6 +53,42 @@ def chunk_body(d: bytes, data: bytes) -> bytes:
     return wire.encode(Chunk(digest=d, data=bytes(data)))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, not ours to signal
+        return True
+    return True
+
+
+def remove_stale_tmp_stores(parent: Path | None = None, now: float | None = None) -> list[Path]:
+    """Temporary stores (``echorl-store-<pid>-*``) left by processes that died without cleaning
+    up (SIGKILL, OOM, power loss): removed when their process is gone and they have not been
+    touched for ``STALE_TMP_STORE_S`` (a process in another PID namespace sharing this temp
+    directory writes its store at least that often while it receives versions)."""
+    import shutil
+
+    parent = Path(parent or tempfile.gettempdir())
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP_STORE.match(entry.name)
+        try:
+            stale = bool(m) and entry.is_dir() and now - entry.stat().st_mtime > STALE_TMP_STORE_S
+        except OSError:
+            continue
+        if stale and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 class WeightStore:
     """A peer's weight files and chunk cache. ``directory``: where the files live (a fresh
     temporary directory, removed with the store, if None; a given one is emptied of this
@@ -59,7 +97,8 @@ class WeightStore:
     def __init__(self, directory: Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._tmp = None
         if directory is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="echorl-store-")
+            remove_stale_tmp_stores()
+            self._tmp = tempfile.TemporaryDirectory(prefix=f"echorl-store-{os.getpid()}-")
             directory = Path(self._tmp.name)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -124,3 +124,33 @@ def test_catch_up_and_direct_fetch_come_from_the_learners_one_store():
             assert bc.server.held_bytes() == held
 
     trio.run(main)
+
+
+def test_a_dead_process_s_temporary_store_is_removed_a_live_or_recent_one_kept(tmp_path) -> None:
+    """A relay SIGKILLed mid-run leaves its temporary weight files (a whole model's worth); the
+    next store created on the machine removes them once their process is gone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from echorl.broadcast.store import STALE_TMP_STORE_S, remove_stale_tmp_stores
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    old = time.time() - STALE_TMP_STORE_S - 60
+    made = {}
+    for name, pid, mtime in (("dead-old", dead_pid, old), ("dead-recent", dead_pid, time.time()),
+                             ("live-old", os.getppid(), old)):
+        d = tmp_path / f"echorl-store-{pid}-{name}"
+        d.mkdir()
+        (d / "v1-0.payload").write_bytes(b"x" * 1024)
+        os.utime(d, (mtime, mtime))
+        made[name] = d
+    other = tmp_path / "echorl-store-abc"  # not ours (no pid): never touched
+    other.mkdir()
+    os.utime(other, (old, old))
+    assert remove_stale_tmp_stores(tmp_path) == [made["dead-old"]]
+    assert not made["dead-old"].exists()
+    assert made["dead-recent"].exists() and made["live-old"].exists() and other.exists()
