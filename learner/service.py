@@ -247,10 +247,10 @@ class LearnerService(Policing):
         min_version = pol.min_version(self.version, self.published)
         if msg.version < min_version:
             return self._deferred("weights_too_old", want_version=min_version)
-        if not self.admission.holds(msg.version, self.published):  # e.g. published before a resume:
-            return self._deferred("weights_too_old", want_version=self.published)  # never acceptable
         if msg.version > self.published:
             return self._deferred("weights_unknown", want_version=self.published)
+        if not self.admission.holds(msg.version, self.published):  # e.g. published before a resume:
+            return self._deferred("weights_too_old", want_version=self.published)  # never acceptable
         room = pol.room(self.version, msg.version, len(self.buffer) + self.book.outstanding_prompts())
         n = min(msg.max_prompts, pol.prompts_per_lease, room)
         if not self.admission.measured(ctx.peer_id):

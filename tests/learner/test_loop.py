@@ -198,4 +198,6 @@ def test_a_version_the_learner_does_not_hold_is_deferred_to_its_newest():
 
     got = trio.run(ask, 8)
     assert isinstance(got, LeaseDeferred) and got.reason == "weights_too_old" and got.want_version == 9
+    ahead = trio.run(ask, 10)  # newer than anything published (held or not): unknown, not too old
+    assert isinstance(ahead, LeaseDeferred) and ahead.reason == "weights_unknown" and ahead.want_version == 9
     assert isinstance(trio.run(ask, 9), Lease)
