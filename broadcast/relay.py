@@ -35,9 +35,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import random
 from pathlib import Path
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +54,7 @@ from echorl.protocol.routes import ANNOUNCE, CATCHUP, CHUNK, DONE, TICKET
 
 from echorl.broadcast.chunk_server import ChunkServer, _listen_ip
 from echorl.broadcast.push import Pusher, PushInbox
+from echorl.broadcast.recovery import recover_stripe
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import (
     chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
@@ -98,7 +99,8 @@ class Relay:
         self.held_incarnation: bytes | None = None
         self.result_path: Path | None = None  # the newest verified version's safetensors file
         self._result_digest: bytes | None = None
-        self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
+        self.known_peers: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer -> addrs, from announcements
+        self._unreachable: set[str] = set()  # known peers announced as not dialable (behind NAT)
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[PlanAnnounce](16)
         self._apply_lock = trio.Lock()
 
@@ -138,6 +140,11 @@ class Relay:
             for m in msg.members:
                 if m.peer_id != self.host.peer_id:
                     self.known_peers[m.peer_id] = tuple(m.addrs)
+                    self.known_peers.move_to_end(m.peer_id)
+                    if m.reachable:
+                        self._unreachable.discard(m.peer_id)
+                    else:
+                        self._unreachable.add(m.peer_id)
                     if m.addrs:
                         self.host.add_peer_addrs(m.peer_id, list(m.addrs))
             if msg.learner_addrs:
@@ -170,8 +177,15 @@ class Relay:
                 for s in range(state.n_stripes):
                     nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
         new = False
-        if state.complete:
-            ok, detail, new = await self._apply(state.manifest, state.path)
+        m = state.manifest
+        # a delta whose base we lack (a newcomer, or one that fell behind): the chunks are relayed,
+        # so report now and catch up afterwards; a catch-up before the report can outlast the
+        # learner's wait, and a member that never reports is left out of many plans
+        behind = state.complete and m.kind == "delta" and m.version > self.version and m.base_version != self.version
+        if behind:
+            detail = f"not at the delta's base v{m.base_version} (holding v{self.version}): catching up"
+        elif state.complete:
+            ok, detail, new = await self._apply(m, state.path)
         else:
             detail = f"{state.missing()} chunks missing at deadline"
         seconds = time.perf_counter() - t0
@@ -187,6 +201,10 @@ class Relay:
             except (PeerUnavailable, RemoteError) as exc:
                 log.info("done report for v%d failed: %s", ann.version, exc)
                 await trio.sleep(0.5)
+        if behind:
+            await self.catch_up()  # delivers what it reached
+            if m.base_version == self.version:  # a holder was one version behind: this delta applies
+                _, _, new = await self._apply(m, state.path)
         if new:  # also when a catch-up moved us forward but short of this version
             await self._deliver()
 
@@ -261,48 +279,9 @@ class Relay:
             await source.aclose()
 
     async def _recover(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
-        """Pull the stripe's missing chunks from any holder: my other parents and up to eight
-        other members (a random eight per relay, and each chunk starts at a different one of
-        them, so the orphans of a dead relay spread over many uplinks instead of converging on
-        the same few), the learner last (it holds everything, but its uplink is the scarcest)."""
-        others = [p for p in dict.fromkeys(state.parents.values()) if p and p not in suspects and p != self.learner]
-        rest = [p for p in state.plan.peers if p not in suspects and p not in others and p != self.host.peer_id]
-        random.shuffle(rest)
-        peers = others + rest[:8]
-        missing = [i for i in state.stripe_indices(s) if not state.has(i)]
-        limiter = trio.CapacityLimiter(4)
-
-        async def fetch(i: int) -> None:
-            k = i % len(peers) if peers else 0
-            sources = peers[k:] + peers[:k] + [self.learner]
-            async with limiter:
-                d = state.manifest.chunks[i].digest
-                for attempt in range(1000):
-                    if state.has(i):
-                        return
-                    for src in sources:
-                        if src in suspects and src != self.learner:
-                            continue
-                        try:
-                            reply = await self.host.request(src, CHUNK, ChunkRequest(digest=d), expect=Chunk,
-                                                            timeout=max(self.stall_s * 2, self.deadlines.for_bytes(
-                                                                state.manifest.chunk_bytes)))
-                        except (PeerUnavailable, RemoteError):
-                            continue
-                        assert isinstance(reply, Chunk)
-                        try:
-                            await trio.to_thread.run_sync(state.verify, d, reply.data)
-                        except ProtocolError:
-                            suspects.add(src)
-                            continue
-                        if await state.put(d, reply.data):
-                            recovered[0] += 1
-                        return
-                    await trio.sleep(min(2.0, 0.2 * (attempt + 1)))
-
-        async with trio.open_nursery() as nursery:
-            for i in missing:
-                nursery.start_soon(fetch, i)
+        """Pull the stripe's missing chunks from other holders (``broadcast/recovery.py``)."""
+        timeout = max(self.stall_s * 2, self.deadlines.for_bytes(state.manifest.chunk_bytes))
+        await recover_stripe(self.host, state, s, self.learner, suspects, recovered, timeout)
 
     # --- applying -------------------------------------------------------------------------------
     @property
@@ -393,6 +372,7 @@ class Relay:
         self.server.chain.clear()
         self.server.states.clear()
         self.known_peers.clear()
+        self._unreachable.clear()
 
     # --- catch-up -------------------------------------------------------------------------------
     async def catch_up(self, sources: list[str] | None = None, timeout: float | None = None, *,
@@ -414,7 +394,10 @@ class Relay:
     async def _catch_up(self, sources: list[str] | None, timeout: float | None, only: bool = False) -> int:
         candidates = list(sources or [])
         if not only:
-            candidates += [p for p in self.known_peers if p not in candidates] + [self.learner]
+            # a peer behind NAT cannot be dialled: asked only while a connection to it exists
+            connected = set(self.host.connected_peers())
+            candidates += [p for p in self.known_peers if p not in candidates
+                           and (p not in self._unreachable or p in connected)] + [self.learner]
         candidates = list(dict.fromkeys(candidates))
         with trio.move_on_after(math.inf if timeout is None else timeout):
             for src in candidates:
