@@ -37,7 +37,6 @@ import logging
 import math
 from pathlib import Path
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -99,7 +98,7 @@ class Relay:
         self.held_incarnation: bytes | None = None
         self.result_path: Path | None = None  # the newest verified version's safetensors file
         self._result_digest: bytes | None = None
-        self.known_peers: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer -> addrs, from announcements
+        self.known_peers: dict[str, tuple[str, ...]] = {}  # peer -> addrs, from announcements
         self._unreachable: set[str] = set()  # known peers announced as not dialable (behind NAT)
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[PlanAnnounce](16)
         self._apply_lock = trio.Lock()
@@ -140,7 +139,6 @@ class Relay:
             for m in msg.members:
                 if m.peer_id != self.host.peer_id:
                     self.known_peers[m.peer_id] = tuple(m.addrs)
-                    self.known_peers.move_to_end(m.peer_id)
                     if m.reachable:
                         self._unreachable.discard(m.peer_id)
                     else:
