@@ -313,12 +313,13 @@ class Relay:
             return True, "", True
 
     async def _take(self, manifest: Manifest, payload: Path) -> None:
-        """Rebuild and verify ``manifest``'s version from its payload file (streaming over the
-        files, in a worker thread) and make it ours. Raises ``ProtocolError``."""
+        """Rebuild and verify ``manifest``'s version from its payload file, whose every chunk
+        was verified before it was written (a delta: streaming over the files, in a worker
+        thread) and make it ours. Raises ``ProtocolError``."""
         out = self.server.store.new_path(manifest.version, "safetensors")
         base, base_digest = self.result_path, self._result_digest
         result = await trio.to_thread.run_sync(
-            lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest))
+            lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest, chunks_verified=True))
         self._set_result(manifest.version, result, manifest.result_digest)
         self.held_incarnation = manifest.incarnation
         self.server.chain.hold(manifest, payload)

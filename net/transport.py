@@ -6,8 +6,9 @@
 * ``ChunkTransport`` (interface) / ``Libp2pTransport`` (default): a child opens one stream to
   its parent per (version, stripe) and the parent writes ``Chunk`` frames on it as the chunks
   become available. The child always dials, so peers behind NAT work as leaves. Each frame is
-  written in slices of ``SLICE_BYTES``, each slice paid for in the limiter, so concurrent
-  children of one parent interleave fairly instead of one child getting a whole chunk first.
+  written in slices of ``UploadLimiter.slice_bytes`` (about 5 ms of the capped rate), each slice
+  paid for in the limiter, so concurrent children of one parent interleave fairly instead of one
+  child getting a whole chunk first.
 * ``serve_raw``: installs a raw libp2p stream handler that nothing can escape (an exception in
   a py-libp2p stream handler takes the whole host down, architecture §9).
 
@@ -35,7 +36,14 @@ from echorl.protocol.identity import short_id
 
 log = logging.getLogger("echorl.net.transport")
 
-SLICE_BYTES = int(os.environ.get("ECHORL_SLICE_BYTES", 64 * 1024))
+#: a slice of a paced write lasts about this long at the capped rate: short enough that children
+#: sharing an uplink interleave finely, long enough that the per-slice cost (a limiter turn, a
+#: send, a trio checkpoint: tens of µs of Python) stays small. At 400 Mbit/s a fixed 64 KiB slice
+#: (1.3 ms) cost a third of a 1 GB broadcast's CPU (docs/broadcast-notes.md, wave 5).
+SLICE_SECONDS = 0.005
+MIN_SLICE_BYTES, MAX_SLICE_BYTES = 64 * 1024, 1024 * 1024
+UNPACED_SLICE_BYTES = 256 * 1024  # no cap: the kernel paces; slices only bound one write
+_SLICE_OVERRIDE = int(os.environ.get("ECHORL_SLICE_BYTES", 0))  # benchmarks: a fixed slice
 #: largest frame of a chunk stream: a Chunk message of MAX_CHUNK_BYTES plus msgpack overhead
 MAX_CHUNK_FRAME = limits.MAX_CHUNK_BYTES + 1024
 
@@ -45,7 +53,8 @@ class UploadLimiter:
 
     def __init__(self, bytes_per_s: float | None, burst_bytes: int | None = None) -> None:
         self.rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
-        self.burst = max(burst_bytes or SLICE_BYTES, 1)
+        self.slice_bytes = _SLICE_OVERRIDE or slice_bytes_for(self.rate)
+        self.burst = max(burst_bytes or self.slice_bytes, 1)
         self._tokens = float(self.burst)
         self._last = time.monotonic()
         self._lock = trio.Lock()
@@ -72,14 +81,27 @@ class UploadLimiter:
             self._tokens -= n
 
 
-async def write_paced(stream: Any, data: bytes, limiter: UploadLimiter, timeout: float) -> None:
-    """Write ``data`` in slices, each paid for in ``limiter``; each slice has ``timeout``."""
-    view = memoryview(data)
-    for i in range(0, len(view), SLICE_BYTES):
-        piece = view[i : i + SLICE_BYTES]
+def slice_bytes_for(rate: float | None) -> int:
+    """Bytes per paced write at ``rate`` bytes/s: ``SLICE_SECONDS`` of it, a multiple of 4 KiB
+    within [``MIN_SLICE_BYTES``, ``MAX_SLICE_BYTES``]; ``UNPACED_SLICE_BYTES`` without a cap."""
+    if rate is None:
+        return UNPACED_SLICE_BYTES
+    return max(MIN_SLICE_BYTES, min(MAX_SLICE_BYTES, int(rate * SLICE_SECONDS) // 4096 * 4096))
+
+
+async def write_paced(stream: Any, body: bytes, limiter: UploadLimiter, timeout: float) -> None:
+    """Write ``body`` as one frame (its length prefix, then the bytes) in slices of
+    ``limiter.slice_bytes``, each paid for in ``limiter`` and written within ``timeout``. A
+    stream with ``accepts_views`` is handed slices of ``body`` itself; others get copies."""
+    view, step = memoryview(body), limiter.slice_bytes
+    first = max(step - wire.FRAME_HEADER.size, 0)
+    pieces = [wire.frame_header(len(body)) + view[:first]]
+    pieces += (view[i : i + step] for i in range(first, len(view), step))
+    copy = not getattr(stream, "accepts_views", False)
+    for piece in pieces:
         await limiter.acquire(len(piece))
         with trio.fail_after(timeout):
-            await stream.write(bytes(piece))
+            await stream.write(bytes(piece) if copy and isinstance(piece, memoryview) else piece)
 
 
 def serve_raw(host: Host, protocol: str, handler: Callable[[Any, str], Awaitable[None]]) -> None:
@@ -159,12 +181,15 @@ class Libp2pTransport:
         return _Libp2pSource(stream, self.io_timeout)
 
     async def send(self, sink: Any, frame_body: bytes) -> None:
-        await write_paced(sink, wire.frame(frame_body), self.limiter, self.io_timeout)
+        await write_paced(sink, frame_body, self.limiter, self.io_timeout)
 
 
 class TcpStreamAdapter:
     """A trio TCP stream with the small libp2p-stream surface ``read_frame`` and
-    ``write_paced`` use (``read``, ``write``, ``close``, ``reset``)."""
+    ``write_paced`` use (``read``, ``write``, ``close``, ``reset``). ``write`` takes any
+    bytes-like object, so paced writes hand it views instead of copies."""
+
+    accepts_views = True
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
@@ -172,7 +197,7 @@ class TcpStreamAdapter:
     async def read(self, n: int) -> bytes:
         return await self.stream.receive_some(n)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes | memoryview) -> None:
         await self.stream.send_all(data)
 
     async def close(self) -> None:

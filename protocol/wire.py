@@ -104,11 +104,16 @@ def encode(msg: Message) -> bytes:
 
 
 # --- framing -----------------------------------------------------------------------------------
+def frame_header(length: int) -> bytes:
+    """The 4-byte prefix of a frame whose body is ``length`` bytes."""
+    if length > limits.MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.OVERSIZED, f"frame of {length} bytes > {limits.MAX_FRAME_BYTES}")
+    return FRAME_HEADER.pack(length)
+
+
 def frame(payload: bytes) -> bytes:
     """Length-prefix one payload."""
-    if len(payload) > limits.MAX_FRAME_BYTES:
-        raise ProtocolError(ErrorCode.OVERSIZED, f"frame of {len(payload)} bytes > {limits.MAX_FRAME_BYTES}")
-    return FRAME_HEADER.pack(len(payload)) + payload
+    return frame_header(len(payload)) + payload
 
 
 def frame_length(header: bytes, max_bytes: int = limits.MAX_FRAME_BYTES) -> int:

@@ -13,7 +13,7 @@ import trio
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
 from echorl.net.host import open_host
 from echorl.broadcast.relay import Relay
-from echorl.net.transport import UploadLimiter
+from echorl.net.transport import UploadLimiter, slice_bytes_for, write_paced
 from echorl.protocol.identity import Identity
 from swarm import safetensors_f32
 
@@ -39,6 +39,41 @@ def test_upload_limiter_paces_to_its_rate():
         assert UploadLimiter.from_mbps(20).rate == 2.5e6 and UploadLimiter.from_mbps(None).rate is None
 
     trio.run(main)
+
+
+def test_slices_last_a_few_milliseconds_of_the_capped_rate():
+    assert slice_bytes_for(2.5e6) == 64 * 1024  # 20 Mbit/s: the floor (26 ms a slice)
+    assert slice_bytes_for(50e6) == 249856  # 400 Mbit/s: 5 ms (250 kB), in 4 KiB units
+    assert slice_bytes_for(1e9) == 1024 * 1024  # the ceiling
+    assert slice_bytes_for(None) == 256 * 1024
+    assert UploadLimiter.from_mbps(400).slice_bytes == 249856
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_a_paced_write_is_one_frame_in_slices_each_paid_for(views):
+    """Header and body arrive as one frame; every write is at most a slice and the limiter is
+    charged every byte; a stream without ``accepts_views`` only ever sees ``bytes``."""
+    from echorl.protocol import wire
+
+    class Sink:
+        accepts_views = views
+
+        def __init__(self):
+            self.writes = []
+
+        async def write(self, data):
+            assert views or isinstance(data, bytes)
+            self.writes.append(bytes(data))
+
+    body = bytes(range(256)) * 2000  # 512,000 bytes
+    lim = UploadLimiter(None)
+    sink = Sink()
+    trio.run(write_paced, sink, body, lim, 5.0)
+    assert b"".join(sink.writes) == wire.frame(body)
+    assert max(map(len, sink.writes)) <= lim.slice_bytes and len(sink.writes) == 2
+    assert lim.sent_bytes == len(body) + 4
+    trio.run(write_paced, Sink(), b"", lim, 5.0)  # an empty body is its header alone
+    assert lim.sent_bytes == len(body) + 8
 
 
 @pytest.mark.parametrize("direct,shape", [(False, "striped"), (True, "striped"), (False, "tree"), (True, "star")])

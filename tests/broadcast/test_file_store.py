@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
-from echorl.broadcast.files import ChunkCache, apply_delta_file, rebuild_file, verify_result_file
+from echorl.broadcast.files import ChunkCache, apply_delta_file, check_layout, rebuild_file, verify_result_file
 from echorl.broadcast.relay import Relay
 from echorl.net.host import open_host
 from echorl.protocol import delta, snapshot
@@ -87,6 +87,24 @@ def test_streaming_verification_finds_a_flipped_byte(tmp_path):
     path.write_bytes(data[:-4])
     with pytest.raises(ProtocolError):
         verify_result_file(manifest, path)
+
+
+def test_a_full_payload_of_verified_chunks_is_checked_for_its_layout_only(tmp_path):
+    """Its chunks were each checked against the signed digests, so no digest pass runs again;
+    a file of the wrong size or tensor layout is still refused."""
+    learner = Identity.generate()
+    data = model(0)
+    manifest, _ = snapshot.build_manifest(learner, "r", 0, -1, data, data)
+    path = tmp_path / "v0"
+    path.write_bytes(data)
+    assert rebuild_file(manifest, path, None, tmp_path / "out", chunks_verified=True) == path
+    other = model(0, n=1_000_008)  # same names and dtypes, other shapes
+    for wrong in (data[:-4], other[: len(data)]):
+        path.write_bytes(wrong)
+        with pytest.raises(ProtocolError):
+            check_layout(manifest, path)
+        with pytest.raises(ProtocolError):
+            rebuild_file(manifest, path, None, tmp_path / "out", chunks_verified=True)
 
 
 def test_a_version_larger_than_the_cache_moves_through_relays_and_verifies(tmp_path):
