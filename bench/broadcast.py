@@ -3,9 +3,12 @@
     python bench/broadcast.py --peers 16 --size-mb 8 --upload-mbps 20 --json
     python bench/broadcast.py --peers 32 --size-mb 8 --upload-mbps 20 --no-star --json
 
-Runs the pipelined plan (striped by default, ``--shape tree`` for one k-ary tree) twice, a first
-version that dials every edge (``tree_seconds_cold``) and a second over the same plan and
-connections (``tree_seconds``: the steady state of a run, where every version reuses them), and, unless
+Runs the pipelined plan (striped by default, ``--shape tree`` for one k-ary tree) three times: a
+first version that dials every edge and creates every peer's weight file (``tree_seconds_cold``),
+a second over the same plan and connections, still into new files (``tree_seconds_new_files``),
+and a third that also writes into the files the first one left (``tree_seconds``: the steady
+state of a run, where every version reuses the connections and the retired version's files;
+``learner_files_recycled`` counts the learner's), and, unless
 ``--no-star``, one-to-many from the learner, in the same run, each as a full snapshot of random
 bytes (no torch needed). Prints one JSON line: peers, bytes, chunk_bytes, depth, tree_seconds,
 star_seconds, lower_bound_seconds (= W/B: one upload of the snapshot at the capped rate), and
@@ -131,18 +134,21 @@ async def run(args: argparse.Namespace) -> dict:
             nursery.start_soon(sample_rss, pids, peaks)
             await trio.sleep(1.0)  # let start-up CPU settle
             cold = await bc.publish(1, fake_safetensors(size, 3), nodes)  # first version: dials every edge
+            await trio.sleep(0.5)
+            second = await bc.publish(2, fake_safetensors(size, 4), nodes)  # connections reused, files new
             data = fake_safetensors(size, 1)
             await trio.sleep(0.5)
             cpu0, own0 = cpu_seconds(pids), time.process_time()
-            tree = await bc.publish(2, data, nodes)  # steady state: the same plan, connections reused
+            tree = await bc.publish(3, data, nodes)  # steady state: connections and v1's files reused
             cpu_tree = cpu_seconds(pids) - cpu0 + time.process_time() - own0
             out.update(
-                peers=args.peers, bytes=len(data), chunk_bytes=bc.server.states[2].manifest.chunk_bytes,
+                peers=args.peers, bytes=len(data), chunk_bytes=bc.server.states[3].manifest.chunk_bytes,
                 fanout=args.fanout, shape=args.shape,
                 depth=tree.depth, upload_mbps=args.upload_mbps, tree_seconds=round(tree.seconds, 3),
                 lower_bound_seconds=round(len(data) / rate, 3),
                 tree_over_lower_bound=round(tree.seconds / (len(data) / rate), 3),
-                tree_seconds_cold=round(cold.seconds, 3), cold_completed=len(cold.completed),
+                tree_seconds_cold=round(cold.seconds, 3), tree_seconds_new_files=round(second.seconds, 3),
+                learner_files_recycled=bc.server.store.claims_recycled, cold_completed=len(cold.completed),
                 cold_missing=len(cold.missing), cold_suspects=len(cold.suspects),
                 cold_recovered_chunks=cold.recovered_chunks,
                 tree_completed=len(tree.completed), tree_missing=len(tree.missing),
@@ -154,7 +160,7 @@ async def run(args: argparse.Namespace) -> dict:
             )
             del data
             if not args.no_star:
-                star = await bc.publish(3, fake_safetensors(size, 2), nodes, shape="star")
+                star = await bc.publish(4, fake_safetensors(size, 2), nodes, shape="star")
                 out.update(star_seconds=round(star.seconds, 3), star_completed=len(star.completed),
                            star_over_tree=round(star.seconds / tree.seconds, 2))
             else:

@@ -32,7 +32,6 @@ from echorl.protocol.messages import (
 from echorl.protocol.routes import CATCHUP, CHUNK, ROUTES, STREAM, TICKET
 
 from echorl.broadcast.deadlines import Deadlines, upload_copies
-from echorl.broadcast.files import read_at
 from echorl.broadcast.store import HeldChain, VersionState, WeightStore
 from echorl.net.framing import read_frame
 from echorl.net.guard import ConnectionGuard, remote_ip
@@ -112,7 +111,7 @@ class ChunkServer:
         if where is None:
             return None
         try:
-            data = await trio.to_thread.run_sync(read_at, *where)
+            data = await self.store.read(*where)
         except OSError:
             return None
         return data if len(data) == where[2] else None

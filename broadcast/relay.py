@@ -56,7 +56,7 @@ from echorl.broadcast.push import Pusher, PushInbox
 from echorl.broadcast.recovery import recover_stripe
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import (
-    chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
+    chunks_match_file, file_digest, rebuild_file, write_at, write_chunk,
 )
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
@@ -316,10 +316,16 @@ class Relay:
         """Rebuild and verify ``manifest``'s version from its payload file, whose every chunk
         was verified before it was written (a delta: streaming over the files, in a worker
         thread) and make it ours. Raises ``ProtocolError``."""
-        out = self.server.store.new_path(manifest.version, "safetensors")
+        store, out = self.server.store, self.server.store.new_path(manifest.version, "safetensors")
         base, base_digest = self.result_path, self._result_digest
-        result = await trio.to_thread.run_sync(
-            lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest, chunks_verified=True))
+
+        def rebuild() -> Path:
+            if manifest.kind == "delta":
+                store.claim(out, manifest.result_bytes)  # overwritten in place with the base
+            return rebuild_file(manifest, payload, base, out, base_digest=base_digest, chunks_verified=True)
+
+        with store.reading(out):
+            result = await trio.to_thread.run_sync(rebuild)
         self._set_result(manifest.version, result, manifest.result_digest)
         self.held_incarnation = manifest.incarnation
         self.server.chain.hold(manifest, payload)
@@ -463,7 +469,7 @@ class Relay:
         misses a chunk's deadline (its bytes at the floor rate: a stall) or refuses is asked last
         from then on, one that sends a bad chunk never again (``holders`` is updated in place),
         so a holder that stops sending mid catch-up costs one chunk deadline, not one per chunk."""
-        await trio.to_thread.run_sync(create_file, path, m.payload_bytes)
+        await trio.to_thread.run_sync(self.server.store.claim, path, m.payload_bytes)
         where: dict[bytes, list[int]] = {}
         for i, ref in enumerate(m.chunks):
             where.setdefault(ref.digest, []).append(i)
