@@ -70,9 +70,12 @@ Serialisation, hashing, delta encoding/application run in worker threads.
 from __future__ import annotations
 
 import logging
+import mmap
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -87,6 +90,7 @@ from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Mess
 from echorl.protocol.plan import BroadcastPlan, auto_chunk_bytes
 from echorl.protocol.routes import ANNOUNCE, DONE
 
+from echorl.broadcast.files import write_at
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
@@ -161,9 +165,10 @@ class Broadcaster:
         self.server = ChunkServer(host, run_id, self.limiter, keep=keep, retain=retain, direct=direct,
                                   deadlines=self.deadlines, store=WeightStore(store_dir, cache_bytes),
                                   fetch_limit=fetch_limit)
-        # (version, safetensors bytes) last published; the bytes only for a delta (a full
-        # snapshot's bytes are its chunks in the store: rebuilt from there when needed)
-        self._prev: tuple[int, bytes | None] | None = None
+        # (version, its safetensors file) last published; the file only for a delta (a full
+        # snapshot's file is its payload in the chain): the next delta's base, read through
+        # mmap, so no version's bytes stay in the learner's memory between publications
+        self._prev: tuple[int, Path | None] | None = None
         self._since_full = 0
         self._done: dict[int, dict[str, BroadcastDone]] = {}
         self._done_changed = trio.Event()
@@ -186,8 +191,42 @@ class Broadcaster:
         deltas: call it in a worker thread."""
         prev = self._prev
         if prev is not None and prev[0] == version and prev[1] is not None:
-            return prev[1]
+            with self.server.store.reading(prev[1]):
+                try:
+                    return prev[1].read_bytes()
+                except OSError:
+                    return None
         return self.server.chain.version_bytes(version)
+
+    @contextmanager
+    def _base_of_next_delta(self) -> Iterator[Any]:
+        """The last published version's safetensors file, memory-mapped (read by the page cache,
+        not copied into this process), or None when it is not held as one file."""
+        prev = self._prev
+        path = None if prev is None else prev[1] or self._full_payload(prev[0])
+        if path is None:
+            yield None
+            return
+        with self.server.store.reading(path):
+            try:
+                with open(path, "rb") as f:
+                    view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                yield None
+                return
+            try:
+                yield view
+            finally:
+                try:
+                    view.close()
+                except BufferError:  # a view of it outlives the delta (a traceback): closed when freed
+                    pass
+
+    def _full_payload(self, version: int) -> Path | None:
+        for m, path, _ in self.server.chain.entries:
+            if m.version == version and m.kind == "full":
+                return path
+        return None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Background service (the direct TCP chunk port); ``await nursery.start(bc.run)``."""
@@ -262,16 +301,14 @@ class Broadcaster:
 
         def build() -> tuple[Manifest, bytes]:
             payload, kind, base = data, "full", -1
-            base_bytes = None
             if prev is not None and self._since_full + 1 < self.full_every:
-                base_bytes = self.version_bytes(prev[0])
-            if prev is not None and base_bytes is not None:
-                try:
-                    d = delta_mod.encode_delta(base_bytes, data)
-                    if len(d) < len(data):
-                        payload, kind, base = d, "delta", prev[0]
-                except ValueError:  # layout changed: full snapshot
-                    pass
+                with self._base_of_next_delta() as base_file:
+                    try:
+                        d = None if base_file is None else delta_mod.encode_delta(base_file, data)
+                    except ValueError:  # layout changed: full snapshot
+                        d = None
+                if d is not None and len(d) < len(data):
+                    payload, kind, base = d, "delta", prev[0]
             chunk_bytes = self.chunk_bytes or auto_chunk_bytes(len(payload), n_members, self.fanout)
             manifest, _ = snapshot.build_manifest(
                 self.identity, self.run_id, version, prev[0] if prev else -1, payload, data,
@@ -306,7 +343,17 @@ class Broadcaster:
         manifest, payload = await self._build(version, safetensors_bytes, len(nodes))
         build_seconds = time.perf_counter() - t_build
         self._since_full = 0 if manifest.kind == "full" else self._since_full + 1
-        self._prev = (version, safetensors_bytes if manifest.kind == "delta" else None)
+        result = None
+        if manifest.kind == "delta":  # its result is no payload: kept as a file, the next base
+            result = self.server.store.new_path(version, "safetensors")
+
+            def keep() -> None:
+                self.server.store.claim(result, len(safetensors_bytes))
+                write_at(result, 0, safetensors_bytes)
+
+            await trio.to_thread.run_sync(keep)
+        self._prev = (version, result)
+        self.server.pinned = set() if result is None else {result}
 
         members = []
         for n in nodes:

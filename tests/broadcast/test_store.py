@@ -34,7 +34,8 @@ def weights(step: int, n: int = 500_000) -> bytes:
 def test_learner_holds_a_published_version_once():
     """Publishing a 2 MB full snapshot (no nodes) retains its bytes once: the store counts the
     snapshot's size plus framing, and the process keeps ~1x the bytes (the removed double path
-    kept chunks, frame bodies and the fallback store's chunks: ~3x)."""
+    kept chunks, frame bodies and the fallback store's chunks: ~3x). A delta after it leaves no
+    version's bytes in memory: its result is a file, the next delta's base."""
     async def main():
         li = Identity.generate()
         async with open_host(li) as lh:
@@ -56,9 +57,21 @@ def test_learner_holds_a_published_version_once():
             assert bc._prev == (0, None)  # a full version's bytes are its chunks, not a second copy
             assert await trio.to_thread.run_sync(bc.version_bytes, 0) == data
 
-            report = await bc.publish(1, weights(1), [])
+            new = weights(1)
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            report = await bc.publish(1, new, [])
+            del new
+            gc.collect()
+            retained = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
             assert report.kind == "delta"
-            assert bc.server.held_bytes() - held <= report.bytes + n_chunks * FRAME_OVERHEAD
+            # on disk: the delta's payload and its result (the next delta's base); in memory:
+            # neither version's bytes (the old design kept the result, 1x, between publications)
+            assert bc.server.held_bytes() - held <= report.bytes + len(data) + n_chunks * FRAME_OVERHEAD
+            assert retained < 0.25 * len(data), (retained, len(data))
+            assert bc._prev is not None and bc._prev[1] is not None and bc._prev[1].read_bytes() == weights(1)
             assert await trio.to_thread.run_sync(bc.version_bytes, 1) == weights(1)
             assert await trio.to_thread.run_sync(bc.version_bytes, 0) == data
 
