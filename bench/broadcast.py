@@ -7,8 +7,8 @@ Runs the pipelined plan (striped by default, ``--shape tree`` for one k-ary tree
 first version that dials every edge and creates every peer's weight file (``tree_seconds_cold``),
 a second over the same plan and connections, still into new files (``tree_seconds_new_files``),
 and a third that also writes into the files the first one left (``tree_seconds``: the steady
-state of a run, where every version reuses the connections and the retired version's files;
-``learner_files_recycled`` counts the learner's), and, unless
+state of a run, where every version reuses the connections and the retired version's files),
+and, unless
 ``--no-star``, one-to-many from the learner, in the same run, each as a full snapshot of random
 bytes (no torch needed). Prints one JSON line: peers, bytes, chunk_bytes, depth, tree_seconds,
 star_seconds, lower_bound_seconds (= W/B: one upload of the snapshot at the capped rate), and
@@ -148,7 +148,7 @@ async def run(args: argparse.Namespace) -> dict:
                 lower_bound_seconds=round(len(data) / rate, 3),
                 tree_over_lower_bound=round(tree.seconds / (len(data) / rate), 3),
                 tree_seconds_cold=round(cold.seconds, 3), tree_seconds_new_files=round(second.seconds, 3),
-                learner_files_recycled=bc.server.store.claims_recycled, cold_completed=len(cold.completed),
+                cold_completed=len(cold.completed),
                 cold_missing=len(cold.missing), cold_suspects=len(cold.suspects),
                 cold_recovered_chunks=cold.recovered_chunks,
                 tree_completed=len(tree.completed), tree_missing=len(tree.missing),
