@@ -12,9 +12,11 @@ never waits for a broadcast; nodes that fall behind are paced by the lease polic
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -55,6 +57,35 @@ class BroadcastRecord:
                 "broadcast_result_bytes": self.result_bytes, "broadcast_build_seconds": self.build_seconds,
                 "broadcast_nodes": self.nodes, "broadcast_completed": self.completed,
                 "broadcast_missing": self.missing}
+
+
+#: the file each version is serialized into before it is published (overwritten by the next one,
+#: in the broadcaster's store directory: not a version file, so never collected or recycled)
+STAGING_NAME = "publish-staging.safetensors"
+_TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                 "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_state_dict_file(state_dict: dict[str, Any], path: Path) -> int:
+    """Write ``state_dict`` to ``path`` as a safetensors file, one tensor at a time (memory: the
+    largest tensor's CPU copy, none for a CPU tensor already contiguous); an existing file is
+    overwritten in place, so its cached pages are reused. Returns the file's size."""
+    import torch
+
+    tensors = {k: v.detach() for k, v in state_dict.items()}
+    try:
+        entries = [(k, _TORCH_DTYPES[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for k, t in tensors.items()]
+    except KeyError as exc:
+        raise ValueError(f"cannot publish a tensor of dtype {exc}") from None
+    head, layout = snapshot.safetensors_header(entries)
+    size = len(head) + (layout[-1][2] if layout else 0)
+    with open(path, "r+b" if path.exists() else "wb") as f:
+        f.truncate(size)
+        f.write(head)
+        for name, _, _ in layout:
+            flat = tensors[name].to("cpu").contiguous().reshape(-1)
+            f.write(memoryview(flat.view(torch.uint8).numpy()))
+    return size
 
 
 class Publisher:
@@ -113,12 +144,23 @@ class Publisher:
         return self._idle.is_set()
 
     async def publish(self, version: int, state_dict: dict[str, Any]) -> BroadcastRecord:
-        """Serialise, broadcast to the joined nodes (the broadcaster's store keeps it), record."""
+        """Serialise to the staging file, broadcast it (memory-mapped: the version's bytes are
+        never a copy in this process) to the joined nodes (the broadcaster's store keeps it),
+        record."""
         t0 = time.perf_counter()
-        data = await trio.to_thread.run_sync(snapshot.state_dict_to_safetensors, state_dict)
+        staged = self.bc.server.store.dir / STAGING_NAME
+        size = await trio.to_thread.run_sync(write_state_dict_file, state_dict, staged)
         serialize_s = time.perf_counter() - t0
-        self.service.note_published(version, weights_bytes=len(data))
-        report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
+        self.service.note_published(version, weights_bytes=size)
+        with open(staged, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
+        finally:
+            try:
+                data.close()
+            except BufferError:  # a view outlives the call (a traceback): closed when freed
+                pass
         rec = BroadcastRecord(version, report.kind, report.seconds, report.build_seconds, serialize_s,
                               report.bytes, report.result_bytes, report.nodes, len(report.completed),
                               len(report.missing))

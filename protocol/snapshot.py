@@ -254,6 +254,26 @@ def verify_result(manifest: Manifest, result: bytes) -> None:
         raise ProtocolError(ErrorCode.BAD_MANIFEST, f"version {manifest.version}: tensor digests mismatch")
 
 
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The first bytes of a safetensors file holding ``tensors`` ((name, dtype, shape) each):
+    the 8-byte length and the JSON header padded to 8 bytes, and the file order as (name,
+    start, end) offsets into the data that follows. Wider dtypes first, then by name, so every
+    tensor starts aligned to its element size (what the safetensors library does too)."""
+    order = sorted(tensors, key=lambda t: (-DTYPE_SIZES[t[1]], t[0]))
+    header: dict[str, Any] = {}
+    layout, offset = [], 0
+    for name, dtype, shape in order:
+        n = DTYPE_SIZES[dtype]
+        for dim in shape:
+            n *= dim
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        layout.append((name, offset, offset + n))
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, layout
+
+
 def state_dict_to_safetensors(state_dict: dict[str, Any]) -> bytes:
     """Serialise a torch state dict (contiguous CPU clones, so tied weights are accepted)."""
     from safetensors.torch import save
