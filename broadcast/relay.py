@@ -338,9 +338,11 @@ class Relay:
     async def _deliver(self) -> None:
         if self.on_version is None or self.result_path is None:
             return
-        out = self.on_version(self.version, self.result_path)
-        if inspect.isawaitable(out):
-            await out
+        path = self.result_path
+        with self.server.store.reading(path):  # a newer version may land meanwhile: not recycled under the reader
+            out = self.on_version(self.version, path)
+            if inspect.isawaitable(out):
+                await out
 
     async def adopt(self, version: int, result: bytes | Path, manifest: Manifest | None = None) -> bool:
         """Take a version obtained another way (the daemon's on-disk snapshot: a file, linked
