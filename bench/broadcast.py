@@ -4,11 +4,12 @@
     python bench/broadcast.py --peers 32 --size-mb 8 --upload-mbps 20 --no-star --json
 
 Runs the pipelined plan (striped by default, ``--shape tree`` for one k-ary tree) three times: a
-first version that dials every edge and creates every peer's weight file (``tree_seconds_cold``),
-a second over the same plan and connections, still into new files (``tree_seconds_new_files``),
-and a third that also writes into the files the first one left (``tree_seconds``: the steady
-state of a run, where every version reuses the connections and the retired version's files),
-and, unless
+first version that dials every edge (``tree_seconds_cold``), a second over the same plan and
+connections (``tree_seconds_second``), and a third (``tree_seconds``: the steady state of a run,
+every version over reused connections). At 1 GB x 8 peers the second varies most: its files take
+new page-cache pages, which on a VM cost a host page fault each when the guest has not touched
+them lately, and by the third the page cache likely holds the earlier versions and new pages come
+from reclaim (docs/broadcast-notes.md, wave 5), and, unless
 ``--no-star``, one-to-many from the learner, in the same run, each as a full snapshot of random
 bytes (no torch needed). Prints one JSON line: peers, bytes, chunk_bytes, depth, tree_seconds,
 star_seconds, lower_bound_seconds (= W/B: one upload of the snapshot at the capped rate), and
@@ -135,11 +136,11 @@ async def run(args: argparse.Namespace) -> dict:
             await trio.sleep(1.0)  # let start-up CPU settle
             cold = await bc.publish(1, fake_safetensors(size, 3), nodes)  # first version: dials every edge
             await trio.sleep(0.5)
-            second = await bc.publish(2, fake_safetensors(size, 4), nodes)  # connections reused, files new
+            second = await bc.publish(2, fake_safetensors(size, 4), nodes)  # connections reused
             data = fake_safetensors(size, 1)
             await trio.sleep(0.5)
             cpu0, own0 = cpu_seconds(pids), time.process_time()
-            tree = await bc.publish(3, data, nodes)  # steady state: connections and v1's files reused
+            tree = await bc.publish(3, data, nodes)  # steady state
             cpu_tree = cpu_seconds(pids) - cpu0 + time.process_time() - own0
             out.update(
                 peers=args.peers, bytes=len(data), chunk_bytes=bc.server.states[3].manifest.chunk_bytes,
@@ -147,7 +148,7 @@ async def run(args: argparse.Namespace) -> dict:
                 depth=tree.depth, upload_mbps=args.upload_mbps, tree_seconds=round(tree.seconds, 3),
                 lower_bound_seconds=round(len(data) / rate, 3),
                 tree_over_lower_bound=round(tree.seconds / (len(data) / rate), 3),
-                tree_seconds_cold=round(cold.seconds, 3), tree_seconds_new_files=round(second.seconds, 3),
+                tree_seconds_cold=round(cold.seconds, 3), tree_seconds_second=round(second.seconds, 3),
                 cold_completed=len(cold.completed),
                 cold_missing=len(cold.missing), cold_suspects=len(cold.suspects),
                 cold_recovered_chunks=cold.recovered_chunks,

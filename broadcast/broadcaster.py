@@ -347,11 +347,7 @@ class Broadcaster:
         if manifest.kind == "delta":  # its result is no payload: kept as a file, the next base
             result = self.server.store.new_path(version, "safetensors")
 
-            def keep() -> None:
-                self.server.store.claim(result, len(safetensors_bytes))
-                write_at(result, 0, safetensors_bytes)
-
-            await trio.to_thread.run_sync(keep)
+            await trio.to_thread.run_sync(write_at, result, 0, safetensors_bytes)
         self._prev = (version, result)
         self.server.pinned = set() if result is None else {result}
 

@@ -178,10 +178,9 @@ def apply_delta_file(base: Path, delta_path: Path, out: Path, *, base_digest: by
     """Write ``out``: ``base`` with the delta payload in ``delta_path`` applied one tensor at a
     time (memory: the largest changed tensor). ``base_digest``, when the caller already verified
     ``base``, saves hashing it again. The result is not verified here: ``verify_result_file``.
-    An existing ``out`` (a recycled file) is overwritten in place. Raises ``ProtocolError``;
-    ``out`` is removed on failure."""
+    Raises ``ProtocolError``; ``out`` is removed on failure."""
     try:
-        copy_into(base, out)
+        shutil.copyfile(base, out)  # in the kernel (sendfile/copy_file_range): no copy in memory
         tensors = _tensors_of(base)
         with open(delta_path, "rb") as f:
             header = _patch_tensors(out, tensors, f, os.fstat(f.fileno()).st_size)
@@ -192,28 +191,6 @@ def apply_delta_file(base: Path, delta_path: Path, out: Path, *, base_digest: by
     except BaseException:
         out.unlink(missing_ok=True)
         raise
-
-
-def copy_into(src: Path, dst: Path) -> None:
-    """``dst`` becomes a copy of ``src``, in the kernel (``copy_file_range``: no bytes through
-    memory). An existing ``dst`` is overwritten in place, so its cached pages are reused."""
-    if not dst.exists():
-        shutil.copyfile(src, dst)  # sendfile/copy_file_range as well
-        return
-    with open(src, "rb") as fi, open(dst, "r+b") as fo:
-        size = os.fstat(fi.fileno()).st_size
-        os.ftruncate(fo.fileno(), size)
-        done = 0
-        try:
-            while done < size:
-                n = os.copy_file_range(fi.fileno(), fo.fileno(), size - done, done, done)
-                if n == 0:
-                    raise OSError("copy_file_range copied nothing")
-                done += n
-        except OSError:  # not supported here (an old kernel, some file systems)
-            fo.seek(done)
-            fi.seek(done)
-            shutil.copyfileobj(fi, fo, BLOCK)
 
 
 def _patch_tensors(out: Path, tensors: list[snapshot.TensorSlice], f, size: int) -> dict:

@@ -56,7 +56,7 @@ from echorl.broadcast.push import Pusher, PushInbox
 from echorl.broadcast.recovery import recover_stripe
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import (
-    chunks_match_file, file_digest, rebuild_file, write_at, write_chunk,
+    chunks_match_file, create_file, file_digest, rebuild_file, write_at, write_chunk,
 )
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
@@ -316,16 +316,10 @@ class Relay:
         """Rebuild and verify ``manifest``'s version from its payload file, whose every chunk
         was verified before it was written (a delta: streaming over the files, in a worker
         thread) and make it ours. Raises ``ProtocolError``."""
-        store, out = self.server.store, self.server.store.new_path(manifest.version, "safetensors")
+        out = self.server.store.new_path(manifest.version, "safetensors")
         base, base_digest = self.result_path, self._result_digest
-
-        def rebuild() -> Path:
-            if manifest.kind == "delta":
-                store.claim(out, manifest.result_bytes)  # overwritten in place with the base
-            return rebuild_file(manifest, payload, base, out, base_digest=base_digest, chunks_verified=True)
-
-        with store.reading(out):
-            result = await trio.to_thread.run_sync(rebuild)
+        result = await trio.to_thread.run_sync(
+            lambda: rebuild_file(manifest, payload, base, out, base_digest=base_digest, chunks_verified=True))
         self._set_result(manifest.version, result, manifest.result_digest)
         self.held_incarnation = manifest.incarnation
         self.server.chain.hold(manifest, payload)
@@ -339,7 +333,7 @@ class Relay:
         if self.on_version is None or self.result_path is None:
             return
         path = self.result_path
-        with self.server.store.reading(path):  # a newer version may land meanwhile: not recycled under the reader
+        with self.server.store.reading(path):  # newer versions may land meanwhile: not removed under the loader
             out = self.on_version(self.version, path)
             if inspect.isawaitable(out):
                 await out
@@ -471,7 +465,7 @@ class Relay:
         misses a chunk's deadline (its bytes at the floor rate: a stall) or refuses is asked last
         from then on, one that sends a bad chunk never again (``holders`` is updated in place),
         so a holder that stops sending mid catch-up costs one chunk deadline, not one per chunk."""
-        await trio.to_thread.run_sync(self.server.store.claim, path, m.payload_bytes)
+        await trio.to_thread.run_sync(create_file, path, m.payload_bytes)
         where: dict[bytes, list[int]] = {}
         for i, ref in enumerate(m.chunks):
             where.setdefault(ref.digest, []).append(i)

@@ -6,13 +6,10 @@ node's direct fetch; on the learner also the older versions the spot checker may
 
 A version's payload is one file (chunk i at offset i × ``chunk_bytes``), written chunk by chunk
 as each is verified and read back by offset (``broadcast/files.py``); a delta's rebuilt result
-is a second file. A file no longer used becomes a *spare* (at most ``MAX_SPARES``) that the next
-version's file is made from (``WeightStore.claim``): its pages stay in the page cache, and
-overwriting cached pages costs a tenth of filling new ones (on this project's VMs, where a fresh
-page is also a host page fault, a twentieth: two thirds of a relay's CPU at 1 GB). A file still
-linked elsewhere (a node's kept snapshot) or being read is never made a spare. Memory holds only the ``ChunkCache`` (encoded ``Chunk`` frame bodies keyed by
-their digest: what a relay forwards while its children keep up), bounded by ``cache_bytes``,
-whatever the model's size. Both the learner's ``Broadcaster`` and every node's ``Relay`` serve
+is a second file. A file held by a reader (``WeightStore.reading``: a chunk read from disk, a
+version the node is loading) is not removed until the reader is done. Memory holds only the
+``ChunkCache`` (encoded ``Chunk`` frame bodies keyed by their digest: what a relay forwards while
+its children keep up), bounded by ``cache_bytes``, whatever the model's size. Both the learner's ``Broadcaster`` and every node's ``Relay`` serve
 from it (``broadcast/chunk_server.py``).
 """
 
@@ -40,8 +37,6 @@ from echorl.broadcast.files import ChunkCache, create_file, read_at, write_at
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 _OURS = re.compile(r"^v\d+-\d+\.(payload|safetensors)$")
-_SPARE = re.compile(r"^spare-\d+\.bin$")
-MAX_SPARES = 2  # a delta's payload and a full-size result: what one version retires
 _TMP_STORE = re.compile(r"^echorl-store-(\d+)-")
 STALE_TMP_STORE_S = 600.0  # a dead process's temporary store is removed once untouched this long
 _uid = itertools.count()
@@ -112,13 +107,8 @@ class WeightStore:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cache = ChunkCache(cache_bytes)
-        self.claims_recycled = 0  # files made from a spare (the rest were created empty)
-        self._lock = threading.Lock()  # spares and readers: used from the loop and worker threads
-        self._spares: list[Path] = []
+        self._lock = threading.Lock()  # readers: counted from the loop and from worker threads
         self._readers: Counter[Path] = Counter()
-        for entry in self.dir.iterdir():
-            if _SPARE.match(entry.name):
-                entry.unlink(missing_ok=True)
         self._remove(set())
 
     def new_path(self, version: int, kind: str = "payload") -> Path:
@@ -127,7 +117,8 @@ class WeightStore:
 
     @contextmanager
     def reading(self, path: Path):
-        """While inside, ``path`` is neither removed nor recycled (a reader holds it)."""
+        """While inside, ``collect`` leaves ``path`` alone (a reader holds it). Usable from the
+        loop and from worker threads."""
         with self._lock:
             self._readers[path] += 1
         try:
@@ -143,71 +134,22 @@ class WeightStore:
         with self.reading(path):
             return await trio.to_thread.run_sync(read_at, path, offset, n)
 
-    def claim(self, path: Path, size: int) -> None:
-        """Make ``path`` a file of ``size`` bytes to be overwritten chunk by chunk: a spare
-        renamed (the smallest at least ``size``, else the largest; its old bytes stay until
-        overwritten), else a new sparse file. Blocking: a worker thread."""
-        with self._lock:
-            spare = None
-            if self._spares:
-                sizes = {p: _size(p) for p in self._spares}
-                fits = [p for p in self._spares if sizes[p] >= size]
-                spare = min(fits, key=sizes.get) if fits else max(self._spares, key=sizes.get)
-                self._spares.remove(spare)
-        if spare is not None:
-            try:
-                os.replace(spare, path)
-                os.truncate(path, size)
-                self.claims_recycled += 1
-                return
-            except OSError:
-                spare.unlink(missing_ok=True)
-        create_file(path, size)
-
-    def _retire(self, path: Path) -> None:
-        """A file nothing uses: kept as a spare while there is room (the smallest spare gives
-        way to a larger file), else removed. Linked elsewhere or being read: removed (its
-        other names and open readers keep the bytes)."""
-        with self._lock:
-            try:
-                spare_ok = path not in self._readers and os.stat(path).st_nlink == 1
-            except OSError:
-                return
-            if spare_ok:
-                if len(self._spares) >= MAX_SPARES:
-                    smallest = min(self._spares, key=_size)
-                    if _size(smallest) >= _size(path):
-                        spare_ok = False
-                    else:
-                        self._spares.remove(smallest)
-                        smallest.unlink(missing_ok=True)
-            if spare_ok:
-                spare = self.dir / f"spare-{next(_uid)}.bin"
-                try:
-                    os.replace(path, spare)
-                    self._spares.append(spare)
-                    return
-                except OSError:
-                    pass
-        path.unlink(missing_ok=True)
-
     def _remove(self, live: set[Path]) -> list[Path]:
+        with self._lock:
+            held = set(self._readers)
         removed = []
         for entry in self.dir.iterdir():
-            if _OURS.match(entry.name) and entry not in live and entry not in self._readers:
-                self._retire(entry)
+            if _OURS.match(entry.name) and entry not in live and entry not in held:
+                entry.unlink(missing_ok=True)
                 removed.append(entry)
         return removed
 
     async def collect(self, live: set[Path]) -> None:
-        """Retire this store's files that nothing uses any more (in a worker thread)."""
+        """Remove this store's files that nothing uses any more (in a worker thread)."""
         await trio.to_thread.run_sync(self._remove, live)
 
     def disk_bytes(self, paths: set[Path]) -> int:
-        """Bytes on disk of ``paths`` and of the spares."""
-        with self._lock:
-            spares = list(self._spares)
-        return sum(_size(p) for p in set(paths) | set(spares))
+        return sum(p.stat().st_size for p in paths if p.exists())
 
     async def body(self, path: Path, d: bytes, offset: int, size: int) -> bytes:
         """The frame body of chunk ``d`` stored at ``offset`` of ``path``: from the cache, else
@@ -218,13 +160,6 @@ class WeightStore:
                 body = await trio.to_thread.run_sync(lambda: chunk_body(d, read_at(path, offset, size)))
             self.cache.put(d, body)
         return body
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 class VersionState:
@@ -258,7 +193,7 @@ class VersionState:
         stripes' first chunks arrive together)."""
         async with self._open_lock:
             if not self._opened:
-                await trio.to_thread.run_sync(self.store.claim, self.path, self.manifest.payload_bytes)
+                await trio.to_thread.run_sync(create_file, self.path, self.manifest.payload_bytes)
                 self._opened = True
 
     def offset(self, i: int) -> int:
@@ -308,11 +243,7 @@ class VersionState:
 
     async def fill(self, payload: bytes) -> None:
         """The whole payload at once (the learner's own version), already cut per the manifest."""
-        def claim_and_write() -> None:
-            self.store.claim(self.path, len(payload))
-            write_at(self.path, 0, payload)
-
-        await trio.to_thread.run_sync(claim_and_write)
+        await trio.to_thread.run_sync(write_at, self.path, 0, payload)
         self._opened = True
         self.have[:] = b"\x01" * self.n
         self._wake()

@@ -60,7 +60,7 @@ class BroadcastRecord:
 
 
 #: the file each version is serialized into before it is published (overwritten by the next one,
-#: in the broadcaster's store directory: not a version file, so never collected or recycled)
+#: in the broadcaster's store directory: not a version file, so never collected)
 STAGING_NAME = "publish-staging.safetensors"
 _TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                  "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
