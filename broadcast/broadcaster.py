@@ -346,7 +346,6 @@ class Broadcaster:
         result = None
         if manifest.kind == "delta":  # its result is no payload: kept as a file, the next base
             result = self.server.store.new_path(version, "safetensors")
-
             await trio.to_thread.run_sync(write_at, result, 0, safetensors_bytes)
         self._prev = (version, result)
         self.server.pinned = set() if result is None else {result}

@@ -9,8 +9,8 @@ as each is verified and read back by offset (``broadcast/files.py``); a delta's 
 is a second file. A file held by a reader (``WeightStore.reading``: a chunk read from disk, a
 version the node is loading) is not removed until the reader is done. Memory holds only the
 ``ChunkCache`` (encoded ``Chunk`` frame bodies keyed by their digest: what a relay forwards while
-its children keep up), bounded by ``cache_bytes``, whatever the model's size. Both the learner's ``Broadcaster`` and every node's ``Relay`` serve
-from it (``broadcast/chunk_server.py``).
+its children keep up), bounded by ``cache_bytes``, whatever the model's size. Both the learner's
+``Broadcaster`` and every node's ``Relay`` serve from it (``broadcast/chunk_server.py``).
 """
 
 from __future__ import annotations

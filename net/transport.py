@@ -39,7 +39,7 @@ log = logging.getLogger("echorl.net.transport")
 #: a slice of a paced write lasts about this long at the capped rate: short enough that children
 #: sharing an uplink interleave finely, long enough that the per-slice cost (a limiter turn, a
 #: send, a trio checkpoint: tens of µs of Python) stays small. At 400 Mbit/s a fixed 64 KiB slice
-#: (1.3 ms) cost a third of a 1 GB broadcast's CPU (docs/broadcast-notes.md, wave 5).
+#: (1.3 ms) cost a quarter of a 1 GB broadcast's CPU (docs/broadcast-notes.md, wave 5).
 SLICE_SECONDS = 0.005
 MIN_SLICE_BYTES, MAX_SLICE_BYTES = 64 * 1024, 1024 * 1024
 UNPACED_SLICE_BYTES = 256 * 1024  # no cap: the kernel paces; slices only bound one write
