@@ -70,12 +70,11 @@ Serialisation, hashing, delta encoding/application run in worker threads.
 from __future__ import annotations
 
 import logging
-import mmap
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -90,7 +89,7 @@ from echorl.protocol.messages import BroadcastAck, BroadcastDone, Manifest, Mess
 from echorl.protocol.plan import BroadcastPlan, auto_chunk_bytes
 from echorl.protocol.routes import ANNOUNCE, DONE
 
-from echorl.broadcast.files import write_at
+from echorl.broadcast.files import mapped, write_at
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter, _listen_ip
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
@@ -207,20 +206,12 @@ class Broadcaster:
         if path is None:
             yield None
             return
-        with self.server.store.reading(path):
+        with self.server.store.reading(path), ExitStack() as stack:
             try:
-                with open(path, "rb") as f:
-                    view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                view = stack.enter_context(mapped(path))
             except (OSError, ValueError):
-                yield None
-                return
-            try:
-                yield view
-            finally:
-                try:
-                    view.close()
-                except BufferError:  # a view of it outlives the delta (a traceback): closed when freed
-                    pass
+                view = None
+            yield view
 
     def _full_payload(self, version: int) -> Path | None:
         for m, path, _ in self.server.chain.entries:

@@ -2,7 +2,8 @@
 checked by streaming over it, so a peer's memory is bounded by a chunk cache and the largest
 tensor, not by the model's size.
 
-- ``read_at`` / ``write_at``: ``os.pread`` / ``os.pwrite`` on a path (blocking: worker threads).
+- ``read_at`` / ``write_at``: ``os.pread`` / ``os.pwrite`` on a path (blocking: worker threads);
+  ``mapped``: a file memory-mapped read-only.
   Each call opens the file: no descriptor outlives a call, so removing a file while a reader runs
   is safe (the reader sees ``FileNotFoundError`` or the old bytes, never another file's).
 - ``ChunkCache``: an LRU of encoded ``Chunk`` frame bodies with byte accounting (``bytes``,
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
 import os
 import shutil
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -59,6 +63,21 @@ def write_at(path: Path, offset: int, data: bytes | memoryview) -> None:
             done += os.pwrite(fd, view[done:], offset + done)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def mapped(path: Path) -> Iterator[mmap.mmap]:
+    """``path`` memory-mapped read-only (its bytes read through the page cache, never copied
+    into the process). Raises ``OSError`` / ``ValueError`` (an empty file) when it cannot be."""
+    with open(path, "rb") as f:
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield view
+    finally:
+        try:
+            view.close()
+        except BufferError:  # a view of it outlives the use (a traceback): closed when freed
+            pass
 
 
 def create_file(path: Path, size: int) -> None:

@@ -12,7 +12,6 @@ never waits for a broadcast; nodes that fall behind are paced by the lease polic
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from echorl.broadcast.files import mapped
 from echorl.learner.checkpoint import check_state_keys
 from echorl.protocol import snapshot
 
@@ -152,15 +152,8 @@ class Publisher:
         size = await trio.to_thread.run_sync(write_state_dict_file, state_dict, staged)
         serialize_s = time.perf_counter() - t0
         self.service.note_published(version, weights_bytes=size)
-        with open(staged, "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
+        with mapped(staged) as data:
             report = await self.bc.publish(version, data, self.service.broadcast_nodes(), timeout=self.timeout_s)
-        finally:
-            try:
-                data.close()
-            except BufferError:  # a view outlives the call (a traceback): closed when freed
-                pass
         rec = BroadcastRecord(version, report.kind, report.seconds, report.build_seconds, serialize_s,
                               report.bytes, report.result_bytes, report.nodes, len(report.completed),
                               len(report.missing))
