@@ -2,6 +2,7 @@
 
     python bench/adversary.py --json                       # every class, 30 s windows
     python bench/adversary.py --json --window 20 --only lease_hoarder,half_open_tcp
+    python bench/adversary.py --json --window 30 --only slow_walker_3 --spot-check-fraction 0
 
 One learner process and ``--nodes`` honest node processes (``tests/swarm.py``) on loopback, the
 tiny default model. For each attack class in turn: a clean window (no attack) of ``--window``
@@ -16,7 +17,9 @@ load or of the run itself (steps get faster as completions get shorter) is share
 One JSON line per class (``--json``): ``attack``, ``goodput_ratio`` and ``steps_ratio``
 (attack / clean), ``clean_goodput``, ``attack_goodput``, ``clean_steps_per_s``,
 ``attack_steps_per_s``, ``window_s``, ``learner_alive``, ``attacker_saw`` (what the learner
-answered the attacker, by code) and ``loadavg``. The target is ≥ 0.8 for every class.
+answered the attacker, by code) and ``loadavg``; ``ssrf_ticket`` also ``bytes_to_other_addresses``
+(bytes that reached an address other than the authenticated peer's). The target is ≥ 0.8 for
+every class, and 0 bytes to other addresses.
 
 Each class is one small function below (``ATTACKS``); add one there to measure a new attack.
 """
@@ -31,29 +34,50 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
+import msgpack
 import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the shared hostile doubles and the process swarm
 
-from echorl.broadcast.broadcaster import DONE  # noqa: E402
-from echorl.net.host import RemoteError, open_host  # noqa: E402
-from echorl.protocol import routes  # noqa: E402
-from echorl.protocol.identity import Identity, load_identity, short_id  # noqa: E402
-from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest  # noqa: E402
 from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
 from hostile import (  # noqa: E402
-    RUN, empty_completion_body, fake_done, framed, join, newest_lease, nonfinite_logprob_body, oversized_header,
-    plan_member, raw_request,
+    RUN,
+    ThirdParty,
+    aimed_addrs,
+    empty_completion_body,
+    fake_done,
+    framed,
+    join,
+    newest_lease,
+    nonfinite_logprob_body,
+    oversized_header,
+    plan_member,
+    raw_request,
+    ticket_to,
 )
 from swarm import Swarm, signed_submit  # noqa: E402
+
+from echorl.broadcast.broadcaster import DONE  # noqa: E402
+from echorl.net.host import RemoteError, open_host  # noqa: E402
+from echorl.protocol import routes, wire  # noqa: E402
+from echorl.protocol.identity import Identity, load_identity, short_id  # noqa: E402
+from echorl.protocol.messages import (  # noqa: E402
+    BroadcastAck,
+    Lease,
+    LeaseDeferred,
+    LeaseRequest,
+    PlanAnnounce,
+    Status,
+    StatusRequest,
+)
 
 CONFIG = {"eval_every": 100000, "steps": 0, "checkpoint_dir": "none"}  # the learner's defaults otherwise
 # the adversary tests' small run: its in-flight cap is B·(S − 1) = 4 prompts, so one lease of 2
@@ -69,6 +93,8 @@ class Target:
 
 
 Attack = Callable[[Target, Counter], Awaitable[None]]
+#: counts an attack keeps in its ``seen`` that are figures of their own (not what it was answered)
+REPORTED = ("bytes_to_other_addresses",)
 ATTACKS: dict[str, Attack] = {}
 
 
@@ -76,6 +102,7 @@ def attack(name: str) -> Callable[[Attack], Attack]:
     def register(fn: Attack) -> Attack:
         ATTACKS[name] = fn
         return fn
+
     return register
 
 
@@ -87,7 +114,7 @@ async def forever(step: Callable[[], Awaitable[str]], seen: Counter, pause: floa
             seen[await step()] += 1
         except RemoteError as exc:
             seen[exc.code.value] += 1
-        except Exception as exc:  # noqa: BLE001 - unreachable, timed out, reset: the attacker tries again
+        except Exception as exc:
             seen[type(exc).__name__] += 1
             await trio.sleep(0.2)
         await trio.sleep(pause)
@@ -111,6 +138,7 @@ def lease_then(host: Any, me: Identity, t: Target, submit: Callable[[Lease, int]
     async def step() -> str:
         lease, v = await newest_lease(host, t.learner, tries=100)
         return await submit(lease, v)
+
     return step
 
 
@@ -127,14 +155,17 @@ async def nonfinite_logprobs(t: Target, seen: Counter) -> None:
                 return await raw_request(host, t.learner, routes.SUBMIT, framed(body))
             await host.request(t.learner, routes.SUBMIT, signed_submit(me, lease, v, token_ids=(4,), logprobs=(-80.0,)))
             return "accepted_-80"
+
         await forever(lease_then(host, me, t, submit), seen)
 
 
 @attack("empty_completions")
 async def empty_completions(t: Target, seen: Counter) -> None:
     async with joined(t) as (host, me):
+
         async def submit(lease: Lease, v: int) -> str:
             return await raw_request(host, t.learner, routes.SUBMIT, framed(empty_completion_body(lease, v, me)))
+
         await forever(lease_then(host, me, t, submit), seen)
 
 
@@ -142,10 +173,12 @@ async def fabricated(t: Target, seen: Counter, token_ids: tuple[int, ...], versi
     """Lease, then submit a fabricated sample (``token_ids``) claiming the leased version plus
     ``version_ahead``, forever."""
     async with joined(t) as (host, me):
+
         async def submit(lease: Lease, v: int) -> str:
             msg = signed_submit(me, lease, v + version_ahead, token_ids=token_ids, logprobs=(-1.0,) * len(token_ids))
             await host.request(t.learner, routes.SUBMIT, msg)
             return "accepted"
+
         await forever(lease_then(host, me, t, submit), seen)
 
 
@@ -159,6 +192,18 @@ async def unpublished_versions(t: Target, seen: Counter) -> None:
     await fabricated(t, seen, (4,), version_ahead=1)
 
 
+async def ask_lease(host: Any, t: Target, version: list[int], max_prompts: int) -> Any:
+    """One LEASE request at ``version[0]`` (the version the learner last asked for: a deferral
+    updates it): the deferral's reason, or the reply itself."""
+    reply = await host.request(
+        t.learner, routes.LEASE, LeaseRequest(run_id=RUN, version=version[0], max_prompts=max_prompts)
+    )
+    if isinstance(reply, LeaseDeferred):
+        version[0] = reply.want_version if reply.want_version >= 0 else version[0]
+        return reply.reason
+    return reply
+
+
 @attack("lease_hoarder")
 async def lease_hoarder(t: Target, seen: Counter) -> None:
     """~25 lease requests a second, a declared 0 tok/s, never a submission."""
@@ -166,12 +211,11 @@ async def lease_hoarder(t: Target, seen: Counter) -> None:
         version = [2**40]
 
         async def ask() -> str:
-            reply = await host.request(t.learner, routes.LEASE, LeaseRequest(run_id=RUN, version=version[0],
-                                                                             max_prompts=2))
-            if isinstance(reply, LeaseDeferred):
-                version[0] = reply.want_version if reply.want_version >= 0 else version[0]
-                return reply.reason
+            reply = await ask_lease(host, t, version, max_prompts=2)
+            if isinstance(reply, str):
+                return reply
             return "lease" if isinstance(reply, Lease) else type(reply).__name__
+
         await forever(ask, seen, pause=0.04)
 
 
@@ -188,9 +232,11 @@ async def silent_plan_member(t: Target, seen: Counter) -> None:
 async def fake_broadcast_done(t: Target, seen: Counter) -> None:
     """Ten times a second: 'the honest nodes sent me bad chunks' for the newest version."""
     async with joined(t) as (host, _):
+
         async def accuse() -> str:
             await host.request(t.learner, DONE, fake_done(await published(host, t), t.honest))
             return "accepted"
+
         await forever(accuse, seen, pause=0.1)
 
 
@@ -202,6 +248,7 @@ async def oversized_unauthenticated_frames(t: Target, seen: Counter) -> None:
 
         async def frame() -> str:
             return await raw_request(stranger, t.learner, routes.SUBMIT, oversized_header(16 << 20, 64 << 10))
+
         async with trio.open_nursery() as nursery:
             for _ in range(4):
                 nursery.start_soon(forever, frame, seen)
@@ -211,6 +258,7 @@ async def oversized_unauthenticated_frames(t: Target, seen: Counter) -> None:
 async def sybil_flood(t: Target, seen: Counter, identities: int = 48) -> None:
     """Many fresh identities (each its own host and connection) join with 0 tok/s and keep
     asking for leases they never answer."""
+
     async def one() -> None:
         try:
             async with joined(t, tokens_per_s=0.0) as (host, _):
@@ -218,14 +266,16 @@ async def sybil_flood(t: Target, seen: Counter, identities: int = 48) -> None:
                 version = [2**40]
 
                 async def ask() -> str:
-                    reply = await host.request(t.learner, routes.LEASE,
-                                               LeaseRequest(run_id=RUN, version=version[0], max_prompts=2))
+                    reply = await host.request(
+                        t.learner, routes.LEASE, LeaseRequest(run_id=RUN, version=version[0], max_prompts=2)
+                    )
                     if isinstance(reply, LeaseDeferred):
                         version[0] = reply.want_version if reply.want_version >= 0 else version[0]
                         return reply.reason
                     return "lease"
+
                 await forever(ask, seen, pause=1.0)
-        except Exception as exc:  # noqa: BLE001 - a refused join is the defence working
+        except Exception as exc:
             seen[f"join_{getattr(getattr(exc, 'code', None), 'value', type(exc).__name__)}"] += 1
 
     async with trio.open_nursery() as nursery:
@@ -253,6 +303,184 @@ async def half_open_tcp(t: Target, seen: Counter, connections: int = 300) -> Non
             s.socket.close()
 
 
+@attack("ssrf_ticket")
+async def ssrf_ticket(t: Target, seen: Counter) -> None:
+    """Joins with a third party's address (127.0.0.2) first in its own, works once (so plans
+    make it a relay parent, not a leaf), reports every version done, and answers every ticket
+    request (pulled or pushed) with the third party's port and ticket bytes of its choice.
+    ``bytes_to_other_addresses``: what reached the third party (target: 0)."""
+    target = ThirdParty()
+    me = Identity.generate()
+    async with open_host(me) as host, trio.open_nursery() as nursery:
+        await nursery.start(target.run)
+        await host.connect(t.addr)
+        await join(host, t.learner, me, addrs=aimed_addrs(host, target))
+        plan_member(host, nursery, t.learner, report=True)
+        ticket_to(host, target)
+        seen["bytes_to_other_addresses"] = 0
+        for _ in range(20):  # one accepted submission makes it a worker
+            lease, v = await newest_lease(host, t.learner, tries=100)
+            try:
+                await host.request(
+                    t.learner, routes.SUBMIT, signed_submit(me, lease, v, token_ids=(4,), logprobs=(-80.0,))
+                )
+                seen["worked"] += 1
+                break
+            except RemoteError as exc:
+                seen[exc.code.value] += 1
+        while True:
+            seen["bytes_to_other_addresses"] = target.bytes
+            await trio.sleep(0.5)
+
+
+async def honest_addrs(t: Target) -> dict[str, list[str]]:
+    """The honest nodes' addresses, as a joined accomplice hears them in the next plan."""
+    found: dict[str, list[str]] = {}
+    heard = trio.Event()
+
+    async def on_announce(msg: Any, ctx: Any) -> BroadcastAck:
+        assert isinstance(msg, PlanAnnounce)
+        found.update({m.peer_id: list(m.addrs) for m in msg.members if m.peer_id in t.honest and m.addrs})
+        if found:
+            heard.set()
+        return BroadcastAck(run_id=msg.run_id, version=msg.version, have_version=msg.version)
+
+    async with joined(t) as (host, _):
+        host.route(routes.ANNOUNCE, on_announce, request=PlanAnnounce)
+        with trio.fail_after(120):
+            await heard.wait()
+    return found
+
+
+@attack("node_announce_flood")
+async def node_announce_flood(t: Target, seen: Counter, streams: int = 4, identity_s: float = 10.0) -> None:
+    """Strangers that never joined send whole 16 MiB ``ANNOUNCE`` frames to every honest node,
+    four streams at a time per node; every ``identity_s`` a fresh identity takes over (one that
+    was struck off gets nothing more)."""
+    nodes = await honest_addrs(t)
+    # a whole 16 MiB frame that decodes (a map with a 16 MiB byte string), so a node that reads
+    # it first also pays the decode before the schema refuses it
+    frame = framed(msgpack.packb({"type": "plan_announce", "pad": bytes((16 << 20) - 64)}))
+
+    async def flood(stranger: Any, node: str) -> None:
+        while True:
+            try:
+                seen[await raw_request(stranger, node, routes.ANNOUNCE, frame)] += 1
+            except Exception as exc:
+                seen[type(exc).__name__] += 1
+                await trio.sleep(0.01)
+
+    while True:
+        seen["identities"] += 1
+        try:
+            async with open_host(Identity.generate()) as stranger:
+                for addrs in nodes.values():
+                    await stranger.connect(addrs[0])
+                with trio.move_on_after(identity_s):
+                    async with trio.open_nursery() as nursery:
+                        for node in nodes:
+                            for _ in range(streams):
+                                nursery.start_soon(flood, stranger, node)
+        except Exception as exc:
+            seen[f"identity_{type(exc).__name__}"] += 1
+            await trio.sleep(0.2)
+
+
+async def slow_walker(t: Target, seen: Counter, identities: int) -> None:
+    """``identities`` joined identities from this process's address; each answers its first lease
+    at once (so the learner measures it fast), then holds every later one (two at a time) until
+    just before its deadline and answers it; it polls for leases 25 times a second."""
+
+    async def one() -> None:
+        async with joined(t) as (host, me), trio.open_nursery() as nursery:
+            answered = [0]
+
+            async def answer(lease: Lease, v: int) -> None:
+                if answered[0] > 0:  # just before its deadline
+                    await trio.sleep(max(0.0, lease.deadline_s - 0.3))
+                answered[0] += 1
+                try:
+                    msg = signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,))
+                    await host.request(t.learner, routes.SUBMIT, msg)
+                    seen["accepted"] += 1
+                except RemoteError as exc:
+                    seen[exc.code.value] += 1
+
+            version = [2**40]
+
+            async def ask() -> str:
+                reply = await ask_lease(host, t, version, max_prompts=8)
+                if isinstance(reply, str):
+                    return reply
+                assert isinstance(reply, Lease)
+                nursery.start_soon(answer, reply, version[0])
+                if answered[0] == 0:  # the first one is answered before it asks again
+                    while answered[0] == 0:
+                        await trio.sleep(0.01)
+                return "lease"
+
+            await forever(ask, seen, pause=0.04)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(identities):
+            nursery.start_soon(attack_until_refused, lambda _t, _s: one(), t, seen)
+
+
+@attack("slow_walker_3")
+async def slow_walker_3(t: Target, seen: Counter) -> None:
+    await slow_walker(t, seen, 3)
+
+
+@attack("activation_liar")
+async def activation_liar(t: Target, seen: Counter, work_s: float = 2.0) -> None:
+    """Asks nothing (price 0, like the honest nodes here) and says every lease took it 0 s, while
+    it really answers each lease ``work_s`` after it got it. The learner runs with
+    ``--activation cost`` when this class is measured (``main``): before, the claimed 0 s made it
+    the only active node and parked every honest one."""
+    async with joined(t) as (host, me):
+
+        async def submit(lease: Lease, v: int) -> str:
+            await trio.sleep(work_s)
+            msg = signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,))
+            msg = wire.sign(msg.model_copy(update={"generate_seconds": 0.0}), me)
+            await host.request(t.learner, routes.SUBMIT, msg)
+            return "accepted"
+
+        await forever(lease_then(host, me, t, submit), seen)
+
+
+@attack("bad_signature_flood")
+async def bad_signature_flood(t: Target, seen: Counter, per_s: float = 50.0) -> None:
+    """A joined identity takes a lease and sends the largest SUBMIT it allows (every sample
+    ``max_new_tokens`` long) with a bad signature, ``per_s`` times a second; once struck off, a
+    fresh identity joins and goes on."""
+    while True:
+        seen["identities"] += 1
+        try:
+            async with joined(t) as (host, me):
+                lease, v = await newest_lease(host, t.learner, tries=100)
+                m = lease.sampling.max_new_tokens
+                msg = signed_submit(me, lease, v, token_ids=(4,) * m, logprobs=(-1.0,) * m)
+                forged = msg.model_copy(update={"signature": bytes(64)})
+                with trio.move_on_after(60):
+                    while seen["cut_in_row"] < 3:
+                        try:
+                            await host.request(t.learner, routes.SUBMIT, forged, timeout=10.0)
+                            seen["accepted"] += 1
+                            seen["cut_in_row"] = 0
+                        except RemoteError as exc:
+                            seen[exc.code.value] += 1
+                            seen["cut_in_row"] = 0
+                        except Exception:
+                            seen["cut"] += 1
+                            seen["cut_in_row"] += 1
+                        await trio.sleep(1.0 / per_s)
+                seen["cut_in_row"] = 0
+        except Exception as exc:
+            seen[f"identity_{type(exc).__name__}"] += 1
+            await trio.sleep(0.5)
+
+
 # --- the harness ------------------------------------------------------------------------------
 def honest_totals(swarm: Swarm, honest_short: set[str]) -> tuple[int, int]:
     """(steps, honest groups accepted) of the learner's newest metrics row."""
@@ -268,7 +496,7 @@ async def attack_until_refused(fn: Attack, t: Target, seen: Counter) -> None:
     it and is counted, never the bench."""
     try:
         await fn(t, seen)
-    except Exception as exc:  # noqa: BLE001 - an attack stopped by a defence
+    except Exception as exc:
         leaf = exc
         while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
             leaf = leaf.exceptions[0]
@@ -276,8 +504,9 @@ async def attack_until_refused(fn: Attack, t: Target, seen: Counter) -> None:
         seen[f"stopped_{getattr(code, 'value', code) or type(leaf).__name__}"] += 1
 
 
-async def window(swarm: Swarm, honest_short: set[str], seconds: float, target: Target,
-                 fn: Attack | None) -> tuple[float, float, Counter]:
+async def window(
+    swarm: Swarm, honest_short: set[str], seconds: float, target: Target, fn: Attack | None
+) -> tuple[float, float, Counter]:
     """(honest groups/s, steps/s, the attacker's counts) over ``seconds`` with ``fn`` running.
     ``seen["cpu_ms"]``: CPU this process (the attacker, on the same cores) used in the window."""
     seen: Counter = Counter()
@@ -303,6 +532,7 @@ async def run(args: argparse.Namespace, swarm: Swarm, tmp: Path) -> list[dict[st
     honest = [load_identity(tmp / f"honest{i}.key").peer_id for i in range(args.nodes)]
     target = Target(addr, addr.rsplit("/p2p/", 1)[1], honest)
     short = {short_id(p) for p in honest}
+    changed = overrides(args)
     out = []
     before = await window(swarm, short, args.window, target, None)
     for name in names:
@@ -310,20 +540,42 @@ async def run(args: argparse.Namespace, swarm: Swarm, tmp: Path) -> list[dict[st
         alive = swarm.learner.poll() is None
         after = await window(swarm, short, args.window, target, None)
         clean_g, clean_s = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-        out.append({"attack": name, "goodput_ratio": round(att_g / clean_g, 3) if clean_g else None,
-                    "steps_ratio": round(att_s / clean_s, 3) if clean_s else None,
-                    "clean_goodput": round(clean_g, 3), "attack_goodput": round(att_g, 3),
-                    "clean_steps_per_s": round(clean_s, 3), "attack_steps_per_s": round(att_s, 3),
-                    "window_s": args.window, "learner_alive": alive,
-                    "attacker_cpu_cores": round(seen.pop("cpu_ms") / 1000 / args.window, 3),
-                    "attacker_saw": dict(seen.most_common(8)), "loadavg": [round(x, 2) for x in os.getloadavg()],
-                    "baseline": "mean of the clean windows just before and just after, same learner run",
-                    "nodes": args.nodes, "config": "small" if args.small else "defaults"})
+        out.append(
+            {
+                "attack": name,
+                "goodput_ratio": round(att_g / clean_g, 3) if clean_g else None,
+                "steps_ratio": round(att_s / clean_s, 3) if clean_s else None,
+                "clean_goodput": round(clean_g, 3),
+                "attack_goodput": round(att_g, 3),
+                "clean_steps_per_s": round(clean_s, 3),
+                "attack_steps_per_s": round(att_s, 3),
+                "window_s": args.window,
+                "learner_alive": alive,
+                "attacker_cpu_cores": round(seen.pop("cpu_ms") / 1000 / args.window, 3),
+                **{k: seen.pop(k) for k in REPORTED if k in seen},
+                "attacker_saw": dict(seen.most_common(8)),
+                "loadavg": [round(x, 2) for x in os.getloadavg()],
+                "baseline": "mean of the clean windows just before and just after, same learner run",
+                "nodes": args.nodes,
+                "config": " ".join(["small" if args.small else "defaults", *(f"{k}={v}" for k, v in changed.items())]),
+            }
+        )
         before = after
         if args.json:
             print(json.dumps(out[-1]), flush=True)
         else:
             emit(out[-1], False)
+    return out
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The learner settings the command line changes: the spot-check fraction if given, and
+    ``--activation cost`` when ``activation_liar`` is measured (its attack is on that policy)."""
+    out: dict[str, Any] = {}
+    if args.spot_check_fraction is not None:
+        out["spot_check_fraction"] = args.spot_check_fraction
+    if "activation_liar" in (args.only.split(",") if args.only else ATTACKS):
+        out["activation"] = "cost"
     return out
 
 
@@ -334,11 +586,18 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2, help="honest node processes")
     p.add_argument("--only", default="", help="comma-separated attack classes (default: all)")
     p.add_argument("--small", action="store_true", help="the adversary tests' small run (B=4, S=2, 2-prompt leases)")
+    p.add_argument(
+        "--spot-check-fraction",
+        type=float,
+        default=None,
+        help="the learner's spot-check fraction (default: its own); 0 lets fabricated work in, as work an attacker "
+        "really computed would be (the slow-walker classes measure the lease policy, not the spot checks)",
+    )
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="echorl-adversary-") as d:
         tmp = Path(d)
-        (tmp / "learner.json").write_text(json.dumps({**CONFIG, **(SMALL if args.small else {})}))
+        (tmp / "learner.json").write_text(json.dumps({**CONFIG, **(SMALL if args.small else {}), **overrides(args)}))
         swarm = Swarm(tmp)
         try:
             swarm.start_learner("--config", str(tmp / "learner.json"))

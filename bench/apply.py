@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import emit  # noqa: E402
+from _report import emit
 
 STAGES = ("last_chunk_s", "join_s", "verify_s", "deserialise_s", "load_state_dict_s", "first_token_s")
 
@@ -82,8 +82,11 @@ def bench_model(path: Path, device: str, dtype: str | None, repeats: int) -> dic
         t0 = time.perf_counter()
         safetensors.torch.load(blob)
         base.append(time.perf_counter() - t0)
-    out: dict = {"parameters": sum(p.numel() for p in backend.model.parameters()), "bytes": len(blob),
-                 "dtype": str(next(backend.model.parameters()).dtype).removeprefix("torch.")}
+    out: dict = {
+        "parameters": sum(p.numel() for p in backend.model.parameters()),
+        "bytes": len(blob),
+        "dtype": str(next(backend.model.parameters()).dtype).removeprefix("torch."),
+    }
     for name in STAGES:
         out[name] = round(statistics.median(r[name] for r in runs), 4)
     out["apply_s"] = round(statistics.median(sum(r.values()) for r in runs), 4)
@@ -106,8 +109,7 @@ def main() -> None:
     from echorl.actor.model import build_default_model, build_random_model
 
     device, _ = resolve_device(args.device)
-    out: dict = {"bench": "apply", "device": device,
-                 "baseline": "safetensors.torch.load of the same bytes (same run)"}
+    out: dict = {"bench": "apply", "device": device, "baseline": "safetensors.torch.load of the same bytes (same run)"}
     with tempfile.TemporaryDirectory(prefix="echorl-apply-") as tmp:
         models = {"default": build_default_model()}
         if not args.skip_big:

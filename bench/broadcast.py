@@ -40,12 +40,13 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echorl.broadcast.broadcaster import Broadcaster, NodeInfo  # noqa: E402
-from echorl.broadcast.relay_process import rss_mb  # noqa: E402
-from echorl.net.host import HostConfig, open_host  # noqa: E402
-from echorl.net.transport import UploadLimiter  # noqa: E402
-from echorl.protocol.identity import Identity  # noqa: E402
-from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+from _report import emit
+
+from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
+from echorl.broadcast.relay_process import rss_mb
+from echorl.net.host import HostConfig, open_host
+from echorl.net.transport import UploadLimiter
+from echorl.protocol.identity import Identity
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -56,11 +57,11 @@ def fake_safetensors(n_bytes: int, seed: int) -> bytearray:
     header = json.dumps({"w": {"dtype": "U8", "shape": [n_bytes], "data_offsets": [0, n_bytes]}}).encode()
     header += b" " * (-len(header) % 8)
     out = bytearray(8 + len(header) + n_bytes)
-    out[:8 + len(header)] = len(header).to_bytes(8, "little") + header
+    out[: 8 + len(header)] = len(header).to_bytes(8, "little") + header
     rng, step = np.random.default_rng(seed), 64 << 20
     for at in range(8 + len(header), len(out), step):
         n = min(step, len(out) - at)
-        out[at:at + n] = rng.bytes(n)
+        out[at : at + n] = rng.bytes(n)
     return out
 
 
@@ -87,10 +88,29 @@ def spawn_peers(n: int, learner_addr: str, mbps: float, stall_s: float, extra: l
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     procs = []
     for _ in range(n):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", learner_addr, "--run-id", "bench",
-             "--upload-mbps", str(mbps), "--stall-s", str(stall_s), *(extra or [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "echorl.broadcast.relay_process",
+                    "--learner",
+                    learner_addr,
+                    "--run-id",
+                    "bench",
+                    "--upload-mbps",
+                    str(mbps),
+                    "--stall-s",
+                    str(stall_s),
+                    *(extra or []),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -111,19 +131,36 @@ async def run(args: argparse.Namespace) -> dict:
     cache = int(args.chunk_cache_mb * 2**20)
     store = Path(tempfile.mkdtemp(prefix="echorl-bench-", dir=args.store_dir or None))
     async with open_host(identity, HostConfig()) as host:
-        bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=chunk, full_every=1,
-                         upload_limit=UploadLimiter.from_mbps(args.upload_mbps), shape=args.shape,
-                         done_timeout_s=args.timeout, direct=not args.no_direct, store_dir=store / "learner",
-                         cache_bytes=cache)
+        bc = Broadcaster(
+            host,
+            identity,
+            "bench",
+            fanout=args.fanout,
+            chunk_bytes=chunk,
+            full_every=1,
+            upload_limit=UploadLimiter.from_mbps(args.upload_mbps),
+            shape=args.shape,
+            done_timeout_s=args.timeout,
+            direct=not args.no_direct,
+            store_dir=store / "learner",
+            cache_bytes=cache,
+        )
         bc.install()
         nursery_cm = trio.open_nursery()
         nursery = await nursery_cm.__aenter__()
         await nursery.start(bc.run)
         t = time.perf_counter()
-        procs = [spawn_peers(1, host.addrs[0], args.upload_mbps, args.stall_s,
-                             (["--no-direct"] if args.no_direct else [])
-                             + ["--store-dir", str(store / f"relay{i}"), "--chunk-cache-mb", str(args.chunk_cache_mb)])[0]
-                 for i in range(args.peers)]
+        procs = [
+            spawn_peers(
+                1,
+                host.addrs[0],
+                args.upload_mbps,
+                args.stall_s,
+                (["--no-direct"] if args.no_direct else [])
+                + ["--store-dir", str(store / f"relay{i}"), "--chunk-cache-mb", str(args.chunk_cache_mb)],
+            )[0]
+            for i in range(args.peers)
+        ]
         peaks: dict[str, float] = {}
         try:
             readies = []
@@ -143,27 +180,39 @@ async def run(args: argparse.Namespace) -> dict:
             tree = await bc.publish(3, data, nodes)  # steady state
             cpu_tree = cpu_seconds(pids) - cpu0 + time.process_time() - own0
             out.update(
-                peers=args.peers, bytes=len(data), chunk_bytes=bc.server.states[3].manifest.chunk_bytes,
-                fanout=args.fanout, shape=args.shape,
-                depth=tree.depth, upload_mbps=args.upload_mbps, tree_seconds=round(tree.seconds, 3),
+                peers=args.peers,
+                bytes=len(data),
+                chunk_bytes=bc.server.states[3].manifest.chunk_bytes,
+                fanout=args.fanout,
+                shape=args.shape,
+                depth=tree.depth,
+                upload_mbps=args.upload_mbps,
+                tree_seconds=round(tree.seconds, 3),
                 lower_bound_seconds=round(len(data) / rate, 3),
                 tree_over_lower_bound=round(tree.seconds / (len(data) / rate), 3),
-                tree_seconds_cold=round(cold.seconds, 3), tree_seconds_second=round(second.seconds, 3),
+                tree_seconds_cold=round(cold.seconds, 3),
+                tree_seconds_second=round(second.seconds, 3),
                 cold_completed=len(cold.completed),
-                cold_missing=len(cold.missing), cold_suspects=len(cold.suspects),
+                cold_missing=len(cold.missing),
+                cold_suspects=len(cold.suspects),
                 cold_recovered_chunks=cold.recovered_chunks,
-                tree_completed=len(tree.completed), tree_missing=len(tree.missing),
+                tree_completed=len(tree.completed),
+                tree_missing=len(tree.missing),
                 tree_recovered_chunks=tree.recovered_chunks,
                 cpu_seconds_tree=round(cpu_tree, 2),
                 cpu_s_per_gb_relayed=round(cpu_tree / (len(data) * args.peers / 1e9), 2),
-                build_seconds=round(tree.build_seconds, 3), startup_seconds=round(startup, 1),
+                build_seconds=round(tree.build_seconds, 3),
+                startup_seconds=round(startup, 1),
                 node_seconds_max=round(max(tree.node_seconds.values(), default=0.0), 3),
             )
             del data
             if not args.no_star:
                 star = await bc.publish(4, fake_safetensors(size, 2), nodes, shape="star")
-                out.update(star_seconds=round(star.seconds, 3), star_completed=len(star.completed),
-                           star_over_tree=round(star.seconds / tree.seconds, 2))
+                out.update(
+                    star_seconds=round(star.seconds, 3),
+                    star_completed=len(star.completed),
+                    star_over_tree=round(star.seconds / tree.seconds, 2),
+                )
             else:
                 out.update(star_seconds=None)
         finally:
@@ -180,8 +229,12 @@ async def run(args: argparse.Namespace) -> dict:
             nursery.cancel_scope.cancel()
             await nursery_cm.__aexit__(None, None, None)
             shutil.rmtree(store, ignore_errors=True)
-    out.update(max_peer_rss_mb=round(peaks.get("peers", 0.0), 1), learner_rss_mb=round(peaks.get("learner", 0.0), 1),
-               chunk_cache_mb=args.chunk_cache_mb, load_avg_end=round(os.getloadavg()[0], 2))
+    out.update(
+        max_peer_rss_mb=round(peaks.get("peers", 0.0), 1),
+        learner_rss_mb=round(peaks.get("learner", 0.0), 1),
+        chunk_cache_mb=args.chunk_cache_mb,
+        load_avg_end=round(os.getloadavg()[0], 2),
+    )
     out["transport"] = "libp2p" if args.no_direct else "direct-tcp"
     return out
 

@@ -39,20 +39,26 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echorl.net.host import open_host  # noqa: E402
-from echorl.protocol import wire  # noqa: E402
-from echorl.protocol.identity import Identity  # noqa: E402
-from echorl.protocol.messages import Lease, LeasePrompt, LeaseRequest, SamplingSpec  # noqa: E402
-from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+from _report import emit
+
+from echorl.net.host import open_host
+from echorl.protocol import wire
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Lease, LeasePrompt, LeaseRequest, SamplingSpec
 
 PROTO = "/echorl/lease/1"
 
 
 def the_lease() -> Lease:
-    return Lease(lease_id="L1", run_id="r",
-                 prompts=[LeasePrompt(prompt_id=f"p{i}", text=f"{10 + i}+{34 + i}=") for i in range(8)],
-                 group_size=8, sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]),
-                 min_version=0, deadline_s=30.0)
+    return Lease(
+        lease_id="L1",
+        run_id="r",
+        prompts=[LeasePrompt(prompt_id=f"p{i}", text=f"{10 + i}+{34 + i}=") for i in range(8)],
+        group_size=8,
+        sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]),
+        min_version=0,
+        deadline_s=30.0,
+    )
 
 
 def the_request() -> LeaseRequest:
@@ -80,7 +86,7 @@ async def serve() -> None:
     reply = wire.encode(lease)
     reply_frame = struct.pack(">I", len(reply)) + reply
 
-    async def on_lease(msg, ctx):  # noqa: ANN001
+    async def on_lease(msg, ctx):
         return lease
 
     async def raw_handler(stream: trio.SocketStream) -> None:
@@ -146,14 +152,20 @@ async def client(info: dict, n: int, fresh: int) -> dict:
             assert len(body) == len(wire.encode(the_lease()))
     ms = 1e3
     out = {
-        "bench": "control_latency", "topology": "two_processes", "requests": n, "fresh_hosts": fresh,
-        "request_bytes": len(req_bytes), "reply_bytes": len(body),
+        "bench": "control_latency",
+        "topology": "two_processes",
+        "requests": n,
+        "fresh_hosts": fresh,
+        "request_bytes": len(req_bytes),
+        "reply_bytes": len(body),
         "connect_ms": round(statistics.median(connects) * ms, 3),
         "first_request_new_stream_ms": round(statistics.median(firsts) * ms, 3),
         "connect_ms_all": [round(x * ms, 2) for x in connects],
         "first_request_new_stream_ms_all": [round(x * ms, 2) for x in firsts],
-        "reused_p50_ms": round(pct(host_lat, 0.50) * ms, 3), "reused_p99_ms": round(pct(host_lat, 0.99) * ms, 3),
-        "raw_tcp_p50_ms": round(pct(raw_lat, 0.50) * ms, 3), "raw_tcp_p99_ms": round(pct(raw_lat, 0.99) * ms, 3),
+        "reused_p50_ms": round(pct(host_lat, 0.50) * ms, 3),
+        "reused_p99_ms": round(pct(host_lat, 0.99) * ms, 3),
+        "raw_tcp_p50_ms": round(pct(raw_lat, 0.50) * ms, 3),
+        "raw_tcp_p99_ms": round(pct(raw_lat, 0.99) * ms, 3),
     }
     out["reused_over_raw_p50"] = round(out["reused_p50_ms"] / max(1e-9, out["raw_tcp_p50_ms"]), 2)
     return out
@@ -171,8 +183,14 @@ def main() -> None:
         return
     load_before = os.getloadavg()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         if not line:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._report import emit  # noqa: E402
+from bench._report import emit
 
 
 def batches(vocab: int, steps: int, rows: int, group: int, max_len: int, seed: int) -> list:
@@ -40,8 +40,9 @@ def batches(vocab: int, steps: int, rows: int, group: int, max_len: int, seed: i
             for _ in range(group):
                 ids = [rng.randrange(vocab) for _ in range(rng.randint(8, max_len))]
                 samples.append(Sample(ids, [rng.uniform(-6.0, -2.0) for _ in ids], "length", ""))
-            groups.append(RolloutGroup(f"p{step}-{g}", "", prompt, samples, step,
-                                       [float(rng.random() < 0.5) for _ in samples]))
+            groups.append(
+                RolloutGroup(f"p{step}-{g}", "", prompt, samples, step, [float(rng.random() < 0.5) for _ in samples])
+            )
         out.append(groups)
     return out
 
@@ -72,8 +73,8 @@ def main() -> None:
     import torch
 
     from echorl.actor.model import build_default_model
-    from echorl.learner.distributed import DistributedGRPO
-    from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+    from echorl.rl.distributed import DistributedGRPO
+    from echorl.rl.grpo import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(a.threads)
     model = a.model or str(build_default_model(Path("/tmp/echorl-bench-dp-model"), seed=0, warmup=None))
@@ -88,10 +89,23 @@ def main() -> None:
     ref, got = one.state_dict(), many.state_dict()
     rel = max(float((ref[k] - got[k]).norm()) / max(1e-12, float(ref[k].norm())) for k in ref)
     b, d = statistics.median(base), statistics.median(dist)
-    emit({"bench": "data_parallel", "model": model, "device": a.device, "nproc": a.nproc, "threads": a.threads,
-          "rows_per_step": sum(len(g.samples) for g in data[0]), "steps": a.steps,
-          "baseline_1rank_s_per_step": round(b, 4), "nproc_s_per_step": round(d, 4), "speedup": round(b / d, 3),
-          "final_weights_max_rel_diff": rel, "ranks_in_sync": in_sync}, a.json)
+    emit(
+        {
+            "bench": "data_parallel",
+            "model": model,
+            "device": a.device,
+            "nproc": a.nproc,
+            "threads": a.threads,
+            "rows_per_step": sum(len(g.samples) for g in data[0]),
+            "steps": a.steps,
+            "baseline_1rank_s_per_step": round(b, 4),
+            "nproc_s_per_step": round(d, 4),
+            "speedup": round(b / d, 3),
+            "final_weights_max_rel_diff": rel,
+            "ranks_in_sync": in_sync,
+        },
+        a.json,
+    )
 
 
 if __name__ == "__main__":

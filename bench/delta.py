@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echorl.protocol.delta import apply_delta, encode_delta  # noqa: E402
-from echorl.protocol.snapshot import state_dict_to_safetensors  # noqa: E402
+from echorl.protocol.delta import apply_delta, encode_delta
+from echorl.protocol.snapshot import state_dict_to_safetensors
 
 
 def snapshot(model, dtype=None) -> bytes:
@@ -70,18 +70,32 @@ def demo_series(versions: int, lr: float) -> dict:
         r32.append(round(ratio(prev32, cur32), 4))
         r16.append(round(ratio(prev16, cur16), 4))
         prev32, prev16 = cur32, cur16
-    return {"params": sum(p.numel() for p in model.parameters()), "lr": lr, "full_bytes_fp32": len(prev32),
-            "ratios_fp32": r32, "ratios_bf16": r16,
-            "mean_fp32": round(sum(r32) / len(r32), 4), "mean_bf16": round(sum(r16) / len(r16), 4)}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "lr": lr,
+        "full_bytes_fp32": len(prev32),
+        "ratios_fp32": r32,
+        "ratios_bf16": r16,
+        "mean_fp32": round(sum(r32) / len(r32), 4),
+        "mean_bf16": round(sum(r16) / len(r16), 4),
+    }
 
 
 def big_step(lrs: list[float]) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                      num_key_value_heads=6, head_dim=64, intermediate_size=2048, tie_word_embeddings=True,
-                      max_position_embeddings=512)
+    cfg = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=64,
+        intermediate_size=2048,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
     out: dict = {}
     for lr in lrs:
         torch.manual_seed(0)
@@ -98,9 +112,13 @@ def big_step(lrs: list[float]) -> dict:
         t = time.perf_counter()
         r16 = ratio(before16, after16)
         enc_s = time.perf_counter() - t
-        out[f"lr={lr:g}"] = {"bf16": round(r16, 4), "fp32": round(ratio(before32, after32), 4),
-                             "full_bytes_bf16": len(after16), "step_s": round(step_s, 1),
-                             "encode_apply_bf16_s": round(enc_s, 1)}
+        out[f"lr={lr:g}"] = {
+            "bf16": round(r16, 4),
+            "fp32": round(ratio(before32, after32), 4),
+            "full_bytes_bf16": len(after16),
+            "step_s": round(step_s, 1),
+            "encode_apply_bf16_s": round(enc_s, 1),
+        }
         out["params"] = sum(p.numel() for p in model.parameters())
         del model, opt, before32, after32, before16, after16
     return out

@@ -24,11 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import emit  # noqa: E402
+from _report import emit
 
 
-def drift(model_dir: Path, dtypes: list[str], prompts: int, group: int, new_tokens: int, seed: int,
-          device: str = "cpu") -> dict:
+def drift(
+    model_dir: Path, dtypes: list[str], prompts: int, group: int, new_tokens: int, seed: int, device: str = "cpu"
+) -> dict:
     """{dtype: {mean_abs_diff, max_abs_diff, tokens, seconds}} for actors in each dtype on ``device``,
     all checked by a float32 CPU spot checker (the learner's configuration)."""
     import torch
@@ -53,8 +54,12 @@ def drift(model_dir: Path, dtypes: list[str], prompts: int, group: int, new_toke
         samples = actor.generate(texts, group, params, seed=seed)
         groups = [RolloutGroup(f"p{i}", t, actor.encode(t), s, 0) for i, (t, s) in enumerate(zip(texts, samples))]
         res = checker.check_sync(groups, 0)
-        out[dtype] = {"mean_abs_diff": round(res.mean_abs_diff, 6), "max_abs_diff": round(res.max_abs_diff, 6),
-                      "tokens": res.tokens, "seconds": round(time.perf_counter() - t0, 2)}
+        out[dtype] = {
+            "mean_abs_diff": round(res.mean_abs_diff, 6),
+            "max_abs_diff": round(res.max_abs_diff, 6),
+            "tokens": res.tokens,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
         del actor
     return out
 
@@ -79,9 +84,14 @@ def main() -> None:
             models["qwen3_135m_random"] = (build_random_model(Path(tmp) / "m135"), 4, 4, 16)
         for name, (path, prompts, group, new_tokens) in models.items():
             runs = [drift(path, dtypes, prompts, group, new_tokens, seed) for seed in range(args.seeds)]
-            out[name] = {d: {"mean_abs_diff": max(r[d]["mean_abs_diff"] for r in runs),
-                             "max_abs_diff": max(r[d]["max_abs_diff"] for r in runs),
-                             "tokens": sum(r[d]["tokens"] for r in runs)} for d in dtypes}
+            out[name] = {
+                d: {
+                    "mean_abs_diff": max(r[d]["mean_abs_diff"] for r in runs),
+                    "max_abs_diff": max(r[d]["max_abs_diff"] for r in runs),
+                    "tokens": sum(r[d]["tokens"] for r in runs),
+                }
+                for d in dtypes
+            }
     emit(out, args.json)
 
 

@@ -45,8 +45,8 @@ def broadcaster_main(args: argparse.Namespace) -> None:
     """Serve a Broadcaster; read the nodes (one JSON list on stdin); publish two versions;
     print one JSON result line."""
     import trio
-
     from broadcast import fake_safetensors  # bench/broadcast.py (bench/ is first on sys.path)
+
     from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
     from echorl.net.host import HostConfig, open_host
     from echorl.protocol.identity import Identity
@@ -58,9 +58,17 @@ def broadcaster_main(args: argparse.Namespace) -> None:
         identity = Identity.generate()
         size = int(args.size_mb * 1024 * 1024)
         async with open_host(identity, HostConfig(listen="/ip4/0.0.0.0/tcp/4001")) as host:
-            bc = Broadcaster(host, identity, "bench", fanout=args.fanout, chunk_bytes=int(args.chunk_kb * 1024) or None,
-                             full_every=1, done_timeout_s=args.timeout, direct=not args.no_direct,
-                             upload_limit=args.pace_mbps * 1e6 / 8 if args.pace_mbps else None)
+            bc = Broadcaster(
+                host,
+                identity,
+                "bench",
+                fanout=args.fanout,
+                chunk_bytes=int(args.chunk_kb * 1024) or None,
+                full_every=1,
+                done_timeout_s=args.timeout,
+                direct=not args.no_direct,
+                upload_limit=args.pace_mbps * 1e6 / 8 if args.pace_mbps else None,
+            )
             bc.install()
             async with trio.open_nursery() as nursery:
                 await nursery.start(bc.run)
@@ -84,12 +92,19 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                     sent = tx_bytes() - before
                     # when the learner's own copy had left (99% of its bytes): the rest is the relays' tail
                     out[f"learner_send_seconds{suffix}"] = next(
-                        t - samples[0][0] for t, n in samples if n - before >= 0.99 * sent)
+                        t - samples[0][0] for t, n in samples if n - before >= 0.99 * sent
+                    )
                     plan = bc._plans[timed]
-                    out.update({f"tree_seconds{suffix}": tree.seconds, f"completed{suffix}": tree.completed,
-                                f"depth{suffix}": tree.depth,
-                                f"chunk_bytes{suffix}": bc.server.states[timed].manifest.chunk_bytes, f"learner_tx_bytes{suffix}": sent,
-                                f"busiest_node_copies{suffix}": max(plan.upload_copies(n.peer_id) for n in nodes)})
+                    out.update(
+                        {
+                            f"tree_seconds{suffix}": tree.seconds,
+                            f"completed{suffix}": tree.completed,
+                            f"depth{suffix}": tree.depth,
+                            f"chunk_bytes{suffix}": bc.server.states[timed].manifest.chunk_bytes,
+                            f"learner_tx_bytes{suffix}": sent,
+                            f"busiest_node_copies{suffix}": max(plan.upload_copies(n.peer_id) for n in nodes),
+                        }
+                    )
                     if not args.compare:
                         break
                 out.update({"bytes": len(data)})
@@ -110,17 +125,44 @@ async def _sample_tx(tx_bytes, samples: list[tuple[float, int]]) -> None:
 # --- the parent side, in the root namespace ---------------------------------------------------
 def broadcaster_argv(args: argparse.Namespace) -> list[str]:
     """This script as the learner-side broadcaster (``broadcaster_main``) with ``args``' settings."""
-    return [sys.executable, str(Path(__file__).resolve()), "--_broadcaster", "--size-mb", str(args.size_mb),
-            "--fanout", str(args.fanout), "--chunk-kb", str(args.chunk_kb), "--timeout", str(args.timeout),
-            *(["--no-direct"] if args.no_direct else []), "--pace-mbps", str(args.pace_mbps),
-            *(["--compare"] if getattr(args, "compare", False) else [])]
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_broadcaster",
+        "--size-mb",
+        str(args.size_mb),
+        "--fanout",
+        str(args.fanout),
+        "--chunk-kb",
+        str(args.chunk_kb),
+        "--timeout",
+        str(args.timeout),
+        *(["--no-direct"] if args.no_direct else []),
+        "--pace-mbps",
+        str(args.pace_mbps),
+        *(["--compare"] if getattr(args, "compare", False) else []),
+    ]
 
 
 def relay_argv(learner_addr: str, no_direct: bool = False, pace_mbps: float = 0.0) -> list[str]:
     """A ``broadcast/relay_process.py`` node that dials the learner (as a joining node does)."""
-    return [sys.executable, "-m", "echorl.broadcast.relay_process", "--learner", learner_addr, "--run-id", "bench",
-            "--listen", "/ip4/0.0.0.0/tcp/0", "--stall-s", "30", "--dial-learner", "--upload-mbps", str(pace_mbps),
-            *(["--no-direct"] if no_direct else [])]
+    return [
+        sys.executable,
+        "-m",
+        "echorl.broadcast.relay_process",
+        "--learner",
+        learner_addr,
+        "--run-id",
+        "bench",
+        "--listen",
+        "/ip4/0.0.0.0/tcp/0",
+        "--stall-s",
+        "30",
+        "--dial-learner",
+        "--upload-mbps",
+        str(pace_mbps),
+        *(["--no-direct"] if no_direct else []),
+    ]
 
 
 def _json_line(proc: subprocess.Popen, event: str, timeout: float) -> dict:
@@ -139,17 +181,24 @@ def _json_line(proc: subprocess.Popen, event: str, timeout: float) -> dict:
 
 def run_broadcast(lab, args: argparse.Namespace) -> dict:
     learner = lab.add_peer("learner")
-    peers = [lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}")
-             for i in range(args.nodes)]
-    bc = subprocess.Popen(learner.cmd(*broadcaster_argv(args)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True, env=ENV)
+    peers = [
+        lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}") for i in range(args.nodes)
+    ]
+    bc = subprocess.Popen(
+        learner.cmd(*broadcaster_argv(args)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+    )
     learner.procs.append(bc)
     addr = _json_line(bc, "ready", 120)["addr"]
     relays = []
     for p in peers:
-        proc = subprocess.Popen(p.cmd(*relay_argv(addr, args.no_direct, args.pace_mbps)),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True, env=ENV)
+        proc = subprocess.Popen(
+            p.cmd(*relay_argv(addr, args.no_direct, args.pace_mbps)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=ENV,
+        )
         p.procs.append(proc)
         relays.append((p, proc))
     nodes = []
@@ -167,22 +216,30 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
     for _, proc in relays:
         proc.stdin.close()  # type: ignore[union-attr]
     out = {
-        "nodes": args.nodes, "nat_nodes": args.nat, "uplink_mbps": args.uplink_mbps, "bytes": res["bytes"],
-        "fanout": args.fanout, "chunk_kb": res["chunk_bytes"] / 1024, "pace_mbps": args.pace_mbps,
+        "nodes": args.nodes,
+        "nat_nodes": args.nat,
+        "uplink_mbps": args.uplink_mbps,
+        "bytes": res["bytes"],
+        "fanout": args.fanout,
+        "chunk_kb": res["chunk_bytes"] / 1024,
+        "pace_mbps": args.pace_mbps,
         "load_average_1m": os.getloadavg()[0],
     }
     for suffix in ("", "_nat_leaves") if args.compare else ("",):
         tree = res[f"tree_seconds{suffix}"]
-        out.update({
-            f"depth{suffix}": res[f"depth{suffix}"], f"tree_seconds{suffix}": round(tree, 3),
-            f"tree_over_lower_bound{suffix}": round(tree / bound, 3),
-            # the plan's busiest node uploads this many copies at its own uplink
-            f"topology_bound_seconds{suffix}": round(bound * max(1.0, res[f"busiest_node_copies{suffix}"]), 3),
-            f"nodes_received{suffix}": len(res[f"completed{suffix}"]),
-            f"nat_nodes_received{suffix}": len(nat_ids & set(res[f"completed{suffix}"])),
-            f"learner_upload_copies{suffix}": round(res[f"learner_tx_bytes{suffix}"] / res["bytes"], 3),
-            f"learner_send_seconds{suffix}": round(res[f"learner_send_seconds{suffix}"], 3),
-        })
+        out.update(
+            {
+                f"depth{suffix}": res[f"depth{suffix}"],
+                f"tree_seconds{suffix}": round(tree, 3),
+                f"tree_over_lower_bound{suffix}": round(tree / bound, 3),
+                # the plan's busiest node uploads this many copies at its own uplink
+                f"topology_bound_seconds{suffix}": round(bound * max(1.0, res[f"busiest_node_copies{suffix}"]), 3),
+                f"nodes_received{suffix}": len(res[f"completed{suffix}"]),
+                f"nat_nodes_received{suffix}": len(nat_ids & set(res[f"completed{suffix}"])),
+                f"learner_upload_copies{suffix}": round(res[f"learner_tx_bytes{suffix}"] / res["bytes"], 3),
+                f"learner_send_seconds{suffix}": round(res[f"learner_send_seconds{suffix}"], 3),
+            }
+        )
     out["lower_bound_seconds"] = round(bound, 3)
     # when each node held the (first) timed version, from the learner's start: the spread shows
     # whether one slow stripe or a uniformly slow pipeline sets tree_seconds
@@ -215,22 +272,58 @@ def _eval_rewards(metrics: Path) -> list[float]:
 
 def run_train(lab, args: argparse.Namespace, tmp: Path) -> dict:
     learner = lab.add_peer("learner")
-    peers = [lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}")
-             for i in range(args.nodes)]
+    peers = [
+        lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}") for i in range(args.nodes)
+    ]
     addr_file, metrics = tmp / "addr", tmp / "m.jsonl"
     cli = [sys.executable, "-m", "echorl.cli"]
-    lp = lab.spawn(learner, [*cli, "learner", "--listen", "/ip4/0.0.0.0/tcp/4001", "--addr-file", str(addr_file),
-                             "--metrics-out", str(metrics), "--steps", str(args.steps), "--staleness", "4",
-                             "--eval-every", str(max(1, args.steps // 4))], tmp / "learner.log", env=ENV)
+    lp = lab.spawn(
+        learner,
+        [
+            *cli,
+            "learner",
+            "--listen",
+            "/ip4/0.0.0.0/tcp/4001",
+            "--addr-file",
+            str(addr_file),
+            "--metrics-out",
+            str(metrics),
+            "--steps",
+            str(args.steps),
+            "--staleness",
+            "4",
+            "--eval-every",
+            str(max(1, args.steps // 4)),
+        ],
+        tmp / "learner.log",
+        env=ENV,
+    )
     deadline = time.monotonic() + 180
     while not addr_file.exists():
         if lp.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("learner did not start:\n" + (tmp / "learner.log").read_text()[-3000:])
         time.sleep(0.2)
     addr = addr_file.read_text().strip()
-    procs = [lab.spawn(p, [*cli, "node", "--bootstrap", addr, "--key", str(tmp / f"{p.name}.key"), "--listen",
-                           "/ip4/0.0.0.0/tcp/0", "--seed", str(i)], tmp / f"{p.name}.log", env=ENV)
-             for i, p in enumerate(peers)]
+    procs = [
+        lab.spawn(
+            p,
+            [
+                *cli,
+                "node",
+                "--bootstrap",
+                addr,
+                "--key",
+                str(tmp / f"{p.name}.key"),
+                "--listen",
+                "/ip4/0.0.0.0/tcp/0",
+                "--seed",
+                str(i),
+            ],
+            tmp / f"{p.name}.log",
+            env=ENV,
+        )
+        for i, p in enumerate(peers)
+    ]
     lp.wait(timeout=args.timeout)
     for proc in procs:
         try:
@@ -243,8 +336,12 @@ def run_train(lab, args: argparse.Namespace, tmp: Path) -> dict:
         contributed[p.name] = bool(m and int(m.group(2)) > 0)
     rewards = _eval_rewards(metrics)
     return {
-        "nodes": args.nodes, "nat_nodes": args.nat, "steps": args.steps, "uplink_mbps": args.uplink_mbps,
-        "eval_reward_start": rewards[0] if rewards else None, "eval_reward_end": rewards[-1] if rewards else None,
+        "nodes": args.nodes,
+        "nat_nodes": args.nat,
+        "steps": args.steps,
+        "uplink_mbps": args.uplink_mbps,
+        "eval_reward_start": rewards[0] if rewards else None,
+        "eval_reward_end": rewards[-1] if rewards else None,
         "nodes_contributing": sum(contributed.values()),
         "nat_nodes_contributing": sum(v for k, v in contributed.items() if k.startswith("nat-")),
     }
@@ -268,16 +365,28 @@ def main() -> None:
     ap.add_argument("--uplink-mbps", type=float, default=20.0, help="tbf cap of every peer's uplink")
     ap.add_argument("--size-mb", type=float, default=8.0)
     ap.add_argument("--fanout", type=int, default=4)
-    ap.add_argument("--chunk-kb", type=float, default=0.0,
-                    help="chunk size (0: the learner's default, auto_chunk_bytes from the size and the nodes)")
+    ap.add_argument(
+        "--chunk-kb",
+        type=float,
+        default=0.0,
+        help="chunk size (0: the learner's default, auto_chunk_bytes from the size and the nodes)",
+    )
     ap.add_argument("--no-direct", action="store_true", help="chunks over libp2p streams only (no direct TCP)")
-    ap.add_argument("--pace-mbps", type=float, default=None,
-                    help="every peer's --upload-mbps (default: 0.95 × --uplink-mbps, as docs/network-notes.md "
-                         "tells a volunteer to set it; 0: none, the link alone limits)")
-    ap.add_argument("--no-baseline", action="store_true",
-                    help="broadcast mode: skip the same run unpaced (the *_unpaced keys)")
-    ap.add_argument("--compare", action="store_true",
-                    help="also time a version with NAT'd nodes as plain leaves (the *_nat_leaves keys)")
+    ap.add_argument(
+        "--pace-mbps",
+        type=float,
+        default=None,
+        help="every peer's --upload-mbps (default: 0.95 × --uplink-mbps, as docs/network-notes.md "
+        "tells a volunteer to set it; 0: none, the link alone limits)",
+    )
+    ap.add_argument(
+        "--no-baseline", action="store_true", help="broadcast mode: skip the same run unpaced (the *_unpaced keys)"
+    )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time a version with NAT'd nodes as plain leaves (the *_nat_leaves keys)",
+    )
     ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=1800.0)
@@ -303,8 +412,19 @@ def main() -> None:
         unpaced = argparse.Namespace(**{**vars(args), "pace_mbps": 0.0})
         with Lab(uplink_mbps=args.uplink_mbps) as lab:
             base = run_broadcast(lab, unpaced)
-        out.update({f"{k}_unpaced": base[k] for k in ("tree_seconds", "tree_over_lower_bound", "nodes_received",
-                                                      "learner_send_seconds", "receiver_seconds", "uplink_drops")})
+        out.update(
+            {
+                f"{k}_unpaced": base[k]
+                for k in (
+                    "tree_seconds",
+                    "tree_over_lower_bound",
+                    "nodes_received",
+                    "learner_send_seconds",
+                    "receiver_seconds",
+                    "uplink_drops",
+                )
+            }
+        )
     emit(out, args.json)
 
 

@@ -50,9 +50,9 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit  # noqa: E402
-from netlab import ENV, _lab_module  # noqa: E402 - bench/netlab.py
-from netlab_relay import _line, out  # noqa: E402 - one JSON line per event, read back
+from _report import emit
+from netlab import ENV, _lab_module
+from netlab_relay import _line, out
 
 ECHO = TProtocol("/echo/1")
 SWAP = TProtocol("/echorl-lab/swap/1")  # the manual try's address exchange, over the relay
@@ -109,8 +109,11 @@ async def role_main(role: str, argv: list[str]) -> None:
                     out(event="ready", reserved=reserved, peer_id=str(host.get_id()))
                     await trio.sleep(90)
                 else:
-                    out(event="result", reserved=reserved,
-                        **await _a_run(host, transport, dcutr, argv[1], ID.from_base58(argv[2])))
+                    out(
+                        event="result",
+                        reserved=reserved,
+                        **await _a_run(host, transport, dcutr, argv[1], ID.from_base58(argv[2])),
+                    )
                 nursery.cancel_scope.cancel()
 
 
@@ -123,14 +126,20 @@ async def _echo(host: Any, peer: ID, message: bytes) -> bool:
 
 
 async def _a_run(host: Any, transport: CircuitV2Transport, dcutr: DCUtRProtocol, relay_addr: str, b: ID) -> dict:
-    res: dict[str, Any] = {"relayed_ok": False, "dcutr_attempted": False, "direct_ok": False, "manual_ok": False,
-                           "error": None, "manual_error": None}
+    res: dict[str, Any] = {
+        "relayed_ok": False,
+        "dcutr_attempted": False,
+        "direct_ok": False,
+        "manual_ok": False,
+        "error": None,
+        "manual_error": None,
+    }
     t = time.perf_counter()
     try:
         with trio.fail_after(30):
             await transport.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{b}"))
             res["relayed_ok"] = await _echo(host, b, b"hello through the relay")
-    except Exception as exc:  # noqa: BLE001 - the experiment reports any failure
+    except Exception as exc:
         res["error"] = _err(exc)
         return res
     res["observed"] = [str(a) for a in host._observed_addr_manager.addrs(min_observers=1)]
@@ -141,12 +150,12 @@ async def _a_run(host: Any, transport: CircuitV2Transport, dcutr: DCUtRProtocol,
             res["dcutr_returned"] = await dcutr.initiate_hole_punch(b)
         res["conns_after_dcutr"] = _conn_addrs(host, b)
         res["direct_ok"] = await _echo_over_direct(host, b)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         res["error"] = _err(exc)
     res["seconds"] = round(time.perf_counter() - t, 3)
     try:
         res["manual_ok"] = await _manual_initiator(host, b)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         res["manual_error"] = _err(exc)
     return res
 
@@ -186,7 +195,7 @@ async def _swap_responder(host: Any, stream: Any) -> None:
             await stream.write(json.dumps({"ip": _public_ip(host), "port": MANUAL_PORT["b"]}).encode())
         ok = await _simultaneous_open(MANUAL_PORT["b"], str(theirs["ip"]), int(theirs["port"]))
         out(event="manual", ok=ok)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         out(event="manual", ok=False, error=_err(exc))
 
 
@@ -222,10 +231,14 @@ def _nat_view(lab: Any) -> dict:
     """Per NAT: the forward chain's drop count is not kept, so report the conntrack TCP entries."""
     seen = {}
     for index, ns in lab._nat_ns.items():
-        ct = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/nf_conntrack"], capture_output=True,
-                            text=True, timeout=10)
-        rows = [" ".join(w for w in line.split() if w.startswith(("src=", "dst=", "sport=", "dport=")) or w.isupper())
-                for line in ct.stdout.splitlines() if " tcp " in line]
+        ct = subprocess.run(
+            ["ip", "netns", "exec", ns, "cat", "/proc/net/nf_conntrack"], capture_output=True, text=True, timeout=10
+        )
+        rows = [
+            " ".join(w for w in line.split() if w.startswith(("src=", "dst=", "sport=", "dport=")) or w.isupper())
+            for line in ct.stdout.splitlines()
+            if " tcp " in line
+        ]
         seen[f"nat{index}"] = rows[:12] if ct.returncode == 0 else f"conntrack unreadable: {ct.stderr.strip()[:80]}"
     return seen
 
@@ -238,38 +251,63 @@ def experiment(nat_mode: str = "reset") -> dict:
     me = [sys.executable, str(Path(__file__).resolve()), "--role"]
     logs = Path(tempfile.mkdtemp(prefix="netlab_dcutr-"))
     # the library's session outcomes on stderr (and its own log file, kept with ours)
-    env = {role: {**ENV, "LIBP2P_DEBUG": "relay.circuit_v2.dcutr:INFO",
-                  "LIBP2P_DEBUG_FILE": str(logs / f"{role}.libp2p")} for role in ("a", "b")}
+    env = {
+        role: {**ENV, "LIBP2P_DEBUG": "relay.circuit_v2.dcutr:INFO", "LIBP2P_DEBUG_FILE": str(logs / f"{role}.libp2p")}
+        for role in ("a", "b")
+    }
     t = time.perf_counter()
     with Lab(nat_silent=nat_mode == "silent") as lab:
         relay, a, b = lab.add_peer("relay"), lab.add_peer("a", nat=True), lab.add_peer("b", nat=True, nat_index=1)
         r = subprocess.Popen(relay.cmd(*me, "relay", relay.ip), stdout=subprocess.PIPE, text=True, env=ENV)
         relay.procs.append(r)
         relay_addr = (_line(r) or {})["addr"]
-        bp = subprocess.Popen(b.cmd(*me, "b", b.ip, relay_addr), stdout=subprocess.PIPE, text=True, env=env["b"],
-                              stderr=(logs / "b.log").open("w"))
+        bp = subprocess.Popen(
+            b.cmd(*me, "b", b.ip, relay_addr),
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env["b"],
+            stderr=(logs / "b.log").open("w"),
+        )
         b.procs.append(bp)
         ready = _line(bp) or {}
-        res = subprocess.run(a.cmd(*me, "a", a.ip, relay_addr, ready.get("peer_id", "")), capture_output=True,
-                             text=True, env=env["a"], timeout=120)
+        res = subprocess.run(
+            a.cmd(*me, "a", a.ip, relay_addr, ready.get("peer_id", "")),
+            capture_output=True,
+            text=True,
+            env=env["a"],
+            timeout=120,
+        )
         (logs / "a.log").write_text(res.stderr)
         lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
-        result = lines[-1] if lines else {"error": f"peer A printed nothing (rc {res.returncode}): "
-                                                   f"{res.stderr.strip()[-300:]}"}
+        result = (
+            lines[-1]
+            if lines
+            else {"error": f"peer A printed nothing (rc {res.returncode}): {res.stderr.strip()[-300:]}"}
+        )
         nats = _nat_view(lab)
         lab.stop_processes(grace_s=5)
         b_manual = _line(bp) or {}
     result.pop("event", None)
-    return {"nat": nat_mode, "relayed_ok": bool(result.get("relayed_ok")),
-            "dcutr_attempted": bool(result.get("dcutr_attempted")),
-            "direct_ok": bool(result.get("direct_ok")), "manual_ok": bool(result.get("manual_ok")),
-            "seconds": result.get("seconds"), "error": result.get("error"),
-            "manual_error": result.get("manual_error") or b_manual.get("error"),
-            "b_reserved": bool(ready.get("reserved")),
-            "detail": {k: v for k, v in result.items() if k not in {"relayed_ok", "dcutr_attempted", "direct_ok",
-                                                                 "manual_ok", "seconds", "error", "manual_error"}},
-            "library_said": {"a": _outcomes(logs / "a.log"), "b": _outcomes(logs / "b.log")},
-            "nats": nats, "logs": str(logs), "total_seconds": round(time.perf_counter() - t, 1)}
+    return {
+        "nat": nat_mode,
+        "relayed_ok": bool(result.get("relayed_ok")),
+        "dcutr_attempted": bool(result.get("dcutr_attempted")),
+        "direct_ok": bool(result.get("direct_ok")),
+        "manual_ok": bool(result.get("manual_ok")),
+        "seconds": result.get("seconds"),
+        "error": result.get("error"),
+        "manual_error": result.get("manual_error") or b_manual.get("error"),
+        "b_reserved": bool(ready.get("reserved")),
+        "detail": {
+            k: v
+            for k, v in result.items()
+            if k not in {"relayed_ok", "dcutr_attempted", "direct_ok", "manual_ok", "seconds", "error", "manual_error"}
+        },
+        "library_said": {"a": _outcomes(logs / "a.log"), "b": _outcomes(logs / "b.log")},
+        "nats": nats,
+        "logs": str(logs),
+        "total_seconds": round(time.perf_counter() - t, 1),
+    }
 
 
 if __name__ == "__main__":

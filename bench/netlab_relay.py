@@ -29,8 +29,8 @@ from echorl.net.host import HostConfig, open_host
 from echorl.protocol.identity import Identity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import emit  # noqa: E402
-from netlab import ENV, _lab_module  # noqa: E402 - bench/netlab.py
+from _report import emit
+from netlab import ENV, _lab_module
 
 ECHO = TProtocol("/echo/1")
 
@@ -82,7 +82,7 @@ async def _dial_via_relay(host: object, transport: CircuitV2Transport, relay_add
             await stream.write(message)
             reply = await stream.read(100)
         out(event="result", ok=reply == message, seconds=round(time.perf_counter() - t, 3))
-    except Exception as exc:  # noqa: BLE001 - the experiment reports any failure
+    except Exception as exc:
         out(event="result", ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
@@ -109,11 +109,20 @@ def experiment() -> dict:
         d = subprocess.Popen(dst.cmd(*me, "dst", relay_addr), stdout=subprocess.PIPE, text=True, env=ENV)
         dst.procs.append(d)
         ready = _line(d) or {}
-        res = subprocess.run(src.cmd(*me, "src", relay_addr, ready.get("peer_id", "")), capture_output=True,
-                             text=True, env=ENV, timeout=120)
+        res = subprocess.run(
+            src.cmd(*me, "src", relay_addr, ready.get("peer_id", "")),
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
         result = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {"ok": False}
-    return {"reserved": bool(ready.get("reserved")), "relayed_ok": bool(result.get("ok")),
-            "seconds": result.get("seconds"), "error": result.get("error")}
+    return {
+        "reserved": bool(ready.get("reserved")),
+        "relayed_ok": bool(result.get("ok")),
+        "seconds": result.get("seconds"),
+        "error": result.get("error"),
+    }
 
 
 if __name__ == "__main__":

@@ -15,12 +15,17 @@ import time
 
 import torch
 
-from echorl.protocol import wire
 from echorl.protocol import messages as m
+from echorl.protocol import wire
 from echorl.protocol.delta import apply_delta, encode_delta
 from echorl.protocol.identity import Identity
 from echorl.protocol.snapshot import (
-    ChunkAssembler, build_manifest, digest, safetensors_to_state_dict, state_dict_to_safetensors, verify_result,
+    ChunkAssembler,
+    build_manifest,
+    digest,
+    safetensors_to_state_dict,
+    state_dict_to_safetensors,
+    verify_result,
 )
 
 
@@ -53,10 +58,13 @@ def snapshot_figures(size_mb: int, identity: Identity) -> dict:
     _, t_copy = timed(bytearray, data)
     return {
         "state_dict_mb": round(mb, 1),
-        "serialize_mb_s": round(mb / t_ser), "manifest_build_mb_s": round(mb / t_man),
-        "chunk_verify_mb_s": round(mb / t_verify), "result_verify_mb_s": round(mb / t_result),
+        "serialize_mb_s": round(mb / t_ser),
+        "manifest_build_mb_s": round(mb / t_man),
+        "chunk_verify_mb_s": round(mb / t_verify),
+        "result_verify_mb_s": round(mb / t_result),
         "deserialize_mb_s": round(mb / t_load),
-        "baseline_sha256_mb_s": round(mb / t_sha), "baseline_memcpy_mb_s": round(mb / t_copy),
+        "baseline_sha256_mb_s": round(mb / t_sha),
+        "baseline_memcpy_mb_s": round(mb / t_copy),
     }
 
 
@@ -64,11 +72,13 @@ def delta_figures(dtype: torch.dtype, lr: float) -> dict:
     torch.manual_seed(0)
     model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), 4).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
     def step():
         x = torch.randn(8, 16, 256, dtype=dtype)
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+
     step()  # AdamW's first step moves every weight by ~lr; measure a steady-state step
     before = state_dict_to_safetensors(model.state_dict())
     step()
@@ -77,14 +87,22 @@ def delta_figures(dtype: torch.dtype, lr: float) -> dict:
     rebuilt, t_dec = timed(apply_delta, before, delta)
     assert rebuilt == after
     mb = len(after) / 2**20
-    return {"dtype": str(dtype).removeprefix("torch."), "lr": lr, "full_bytes": len(after), "delta_bytes": len(delta),
-            "delta_ratio": round(len(delta) / len(after), 4), "encode_mb_s": round(mb / t_enc), "apply_mb_s": round(mb / t_dec)}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "lr": lr,
+        "full_bytes": len(after),
+        "delta_bytes": len(delta),
+        "delta_ratio": round(len(delta) / len(after), 4),
+        "encode_mb_s": round(mb / t_enc),
+        "apply_mb_s": round(mb / t_dec),
+    }
 
 
 def signature_figures(identity: Identity) -> dict:
     msg = b"x" * 200
     sig = identity.sign(msg)
     from echorl.protocol.identity import verify_signature
+
     lease = m.LeaseRequest(run_id="bench", version=1, max_prompts=16)
     data = wire.encode(lease)
     return {
@@ -102,8 +120,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     identity = Identity.generate()
-    out = {"bench": "protocol", **snapshot_figures(args.size_mb, identity), **signature_figures(identity),
-           "delta": [delta_figures(torch.bfloat16, 1e-6), delta_figures(torch.bfloat16, 2e-4), delta_figures(torch.float32, 2e-4)]}
+    out = {
+        "bench": "protocol",
+        **snapshot_figures(args.size_mb, identity),
+        **signature_figures(identity),
+        "delta": [
+            delta_figures(torch.bfloat16, 1e-6),
+            delta_figures(torch.bfloat16, 2e-4),
+            delta_figures(torch.float32, 2e-4),
+        ],
+    }
     print(json.dumps(out))
 
 

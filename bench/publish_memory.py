@@ -64,8 +64,14 @@ def _child(mode: str, size_mb: float) -> dict:
     async def main() -> None:
         li = Identity.generate()
         async with open_host(li) as lh:
-            bc = Broadcaster(lh, li, "bench", full_every=4, direct=False,
-                             store_dir=Path(tempfile.mkdtemp(prefix="echorl-bench-pub-")))
+            bc = Broadcaster(
+                lh,
+                li,
+                "bench",
+                full_every=4,
+                direct=False,
+                store_dir=Path(tempfile.mkdtemp(prefix="echorl-bench-pub-")),
+            )
             bc.install()
             pub = Publisher(bc, Service())  # type: ignore[arg-type]
             for version in (0, 1):
@@ -81,8 +87,11 @@ def _child(mode: str, size_mb: float) -> dict:
     stop.set()
     sampler.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"state_dict_mb": round(sum(t.numel() * 4 for t in sd.values()) / 2**20, 1),
-            "anon_peak_extra_mb": round(anon_peak[0] - anon_base, 1), "rss_peak_extra_mb": round(peak - base, 1)}
+    return {
+        "state_dict_mb": round(sum(t.numel() * 4 for t in sd.values()) / 2**20, 1),
+        "anon_peak_extra_mb": round(anon_peak[0] - anon_base, 1),
+        "rss_peak_extra_mb": round(peak - base, 1),
+    }
 
 
 def main() -> None:
@@ -96,8 +105,13 @@ def main() -> None:
         return
     out: dict = {"size_mb": args.size_mb}
     for mode in ("file", "bytes"):
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, "--size-mb", str(args.size_mb)],
-                              capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", mode, "--size-mb", str(args.size_mb)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         out["state_dict_mb"] = res["state_dict_mb"]
         out[f"{mode}_anon_peak_extra_mb"] = res["anon_peak_extra_mb"]

@@ -32,7 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+
+from _report import emit
 
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def inprocess(backend, task, seconds: float) -> tuple[int, float]:  # noqa: ANN001
+def inprocess(backend, task, seconds: float) -> tuple[int, float]:
     from echorl.actor.types import SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=int(task.max_new_tokens), stop=list(task.stop))
@@ -58,8 +59,14 @@ def inprocess(backend, task, seconds: float) -> tuple[int, float]:  # noqa: ANN0
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "echorl.cli", *args], env=ENV, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "echorl.cli", *args],
+        env=ENV,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=str(ROOT),
+    )
 
 
 def rows(path: Path) -> list[dict]:
@@ -86,8 +93,15 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def network(model_dir: str, args: argparse.Namespace, work: Path) -> dict:
-    cfg = {"staleness": args.staleness, "eval_every": 10 ** 6, "eval_prompts": 8, "model": model_dir,
-           "metrics_out": str(work / "m.jsonl"), "addr_file": str(work / "addr"), "steps": 0}
+    cfg = {
+        "staleness": args.staleness,
+        "eval_every": 10**6,
+        "eval_prompts": 8,
+        "model": model_dir,
+        "metrics_out": str(work / "m.jsonl"),
+        "addr_file": str(work / "addr"),
+        "steps": 0,
+    }
     (work / "learner.json").write_text(json.dumps(cfg))
     procs: list[subprocess.Popen] = []
     t_start = time.monotonic()
@@ -99,8 +113,9 @@ def network(model_dir: str, args: argparse.Namespace, work: Path) -> dict:
                 raise RuntimeError("learner did not start:\n" + (work / "learner.log").read_text()[-2000:])
             time.sleep(0.1)
         addr = (work / "addr").read_text().strip()
-        node = spawn(["node", "--bootstrap", addr, "--key", str(work / "node.key"), "--model", model_dir],
-                     work / "node.log")
+        node = spawn(
+            ["node", "--bootstrap", addr, "--key", str(work / "node.key"), "--model", model_dir], work / "node.log"
+        )
         procs.append(node)
         target = args.warmup_steps + args.steps
         deadline = time.monotonic() + args.max_network_s
@@ -109,8 +124,11 @@ def network(model_dir: str, args: argparse.Namespace, work: Path) -> dict:
             if r and r[-1]["step"] >= target:
                 break
             if learner.poll() is not None or node.poll() is not None:
-                raise RuntimeError("a process exited:\n" + (work / "learner.log").read_text()[-1500:]
-                                   + (work / "node.log").read_text()[-1500:])
+                raise RuntimeError(
+                    "a process exited:\n"
+                    + (work / "learner.log").read_text()[-1500:]
+                    + (work / "node.log").read_text()[-1500:]
+                )
             if time.monotonic() > deadline:
                 break  # report what we have, marked truncated
             time.sleep(0.25)
@@ -118,8 +136,11 @@ def network(model_dir: str, args: argparse.Namespace, work: Path) -> dict:
         stop(procs)
     r = [x for x in rows(work / "m.jsonl") if x.get("step", 0) > 0]
     if len(r) < 2:
-        raise RuntimeError("fewer than 2 learner steps:\n" + (work / "learner.log").read_text()[-1500:]
-                           + (work / "node.log").read_text()[-1500:])
+        raise RuntimeError(
+            "fewer than 2 learner steps:\n"
+            + (work / "learner.log").read_text()[-1500:]
+            + (work / "node.log").read_text()[-1500:]
+        )
     a = r[min(args.warmup_steps, len(r) - 2) - 1] if args.warmup_steps > 0 else r[0]
     b = r[-1]
     (node_id,) = list(b["per_node_groups"])[:1] or [""]
@@ -133,10 +154,14 @@ def network(model_dir: str, args: argparse.Namespace, work: Path) -> dict:
         "learner_busy_frac": train / dt if dt > 0 else None,
         "learner_step_s": dt / max(1, b["step"] - a["step"]),
         "learner_train_s_mean": train / max(1, len(window)),
-        "steps_measured": b["step"] - a["step"], "groups_measured": dg, "window_s": dt,
+        "steps_measured": b["step"] - a["step"],
+        "groups_measured": dg,
+        "window_s": dt,
         "truncated": b["step"] < args.warmup_steps + args.steps,
-        "staleness_max": b.get("staleness_max"), "rollouts_rejected_stale": b.get("rollouts_rejected_stale"),
-        "leases_expired": b.get("leases_expired"), "rollouts_accepted": b.get("rollouts_accepted"),
+        "staleness_max": b.get("staleness_max"),
+        "rollouts_rejected_stale": b.get("rollouts_rejected_stale"),
+        "leases_expired": b.get("leases_expired"),
+        "rollouts_accepted": b.get("rollouts_accepted"),
         "network_phase_s": time.monotonic() - t_start,
     }
 
@@ -172,8 +197,13 @@ def main() -> None:
     g2, s2 = inprocess(backend, task, args.seconds / 2)
     inproc = (g1 + g2) / (s1 + s2)
     out = {
-        "bench": "rollout_throughput", "model": Path(model_dir).name, "task": "addition", "group_size": 8,
-        "prompts_per_generate": 8, "max_new_tokens": int(task.max_new_tokens), "staleness": args.staleness,
+        "bench": "rollout_throughput",
+        "model": Path(model_dir).name,
+        "task": "addition",
+        "group_size": 8,
+        "prompts_per_generate": 8,
+        "max_new_tokens": int(task.max_new_tokens),
+        "staleness": args.staleness,
         "inprocess_groups_per_s": round(inproc, 2),
         "inprocess_before_after": [round(g1 / s1, 2), round(g2 / s2, 2)],
         "daemon_groups_per_s": round(net.pop("daemon_groups_per_s"), 2),
@@ -183,11 +213,14 @@ def main() -> None:
     if busy > 0.8:
         out["limited_by"] = "learner (train steps take most of the wall time; node paced by it)"
     else:
-        out["limited_by"] = "node (learner idle {:.0%} of the window waiting for groups)".format(1 - busy)
+        out["limited_by"] = f"node (learner idle {1 - busy:.0%} of the window waiting for groups)"
     out.update({k: (round(v, 3) if isinstance(v, float) else v) for k, v in net.items()})
-    out["loadavg"] = {"start": [round(x, 2) for x in load_before], "before_network": [round(x, 2) for x in load_mid],
-                      "after_network": [round(x, 2) for x in load_mid2],
-                      "end": [round(x, 2) for x in os.getloadavg()]}
+    out["loadavg"] = {
+        "start": [round(x, 2) for x in load_before],
+        "before_network": [round(x, 2) for x in load_mid],
+        "after_network": [round(x, 2) for x in load_mid2],
+        "end": [round(x, 2) for x in os.getloadavg()],
+    }
     out["cpu_count"] = os.cpu_count()
     out["total_s"] = round(time.monotonic() - t0, 1)
     emit(out, args.json)

@@ -29,16 +29,35 @@ from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import emit  # noqa: E402
+from _report import emit
 
 STALENESS = [0, 1, 2, 4, 6, 8, 11, 16]
 
 
 def run_one(s: int, seed: int, correction: bool, args: argparse.Namespace, out: Path) -> dict:
     """One ``train-local`` run in a fresh process; its last metrics row and CPU seconds."""
-    cmd = [sys.executable, "-m", "echorl.cli", "train-local", "--staleness", str(s), "--seed", str(seed),
-           "--steps", str(args.steps), "--actors", str(args.actors), "--eval-every", str(args.steps),
-           "--metrics-out", str(out), "--quiet", *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "echorl.cli",
+        "train-local",
+        "--staleness",
+        str(s),
+        "--seed",
+        str(seed),
+        "--steps",
+        str(args.steps),
+        "--actors",
+        str(args.actors),
+        "--eval-every",
+        str(args.steps),
+        "--metrics-out",
+        str(out),
+        "--quiet",
+        "--checkpoint-dir",
+        "none",  # the figure is the metrics row; train-local keeps a checkpoint by default
+        *args.extra,
+    ]
     if not correction:
         cmd.append("--no-off-policy-correction")
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -49,32 +68,47 @@ def run_one(s: int, seed: int, correction: bool, args: argparse.Namespace, out: 
         raise RuntimeError(f"train-local S={s} seed={seed} correction={correction} failed:\n{proc.stderr[-2000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     last = rows[-1]
-    return {"eval_first": rows[0]["eval_reward"], "eval_final": last["eval_reward"],
-            "steps_per_s": last["step"] / max(1e-9, last["elapsed_s"]), "busy": last["busy_fraction"],
-            "wall_s": time.perf_counter() - t0,
-            "cpu_s": (r1.children_user + r1.children_system) - (r0.children_user + r0.children_system)}
+    return {
+        "eval_first": rows[0]["eval_reward"],
+        "eval_final": last["eval_reward"],
+        "steps_per_s": last["step"] / max(1e-9, last["elapsed_s"]),
+        "busy": last["busy_fraction"],
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": (r1.children_user + r1.children_system) - (r0.children_user + r0.children_system),
+    }
 
 
 def summarise(runs: list[dict]) -> dict:
     finals = [r["eval_final"] for r in runs]
-    return {"eval_final_mean": round(mean(finals), 4), "eval_final_min": round(min(finals), 4),
-            "eval_final_max": round(max(finals), 4), "eval_first_mean": round(mean(r["eval_first"] for r in runs), 4),
-            "steps_per_s": round(mean(r["steps_per_s"] for r in runs), 3),
-            "busy_fraction": round(mean(r["busy"] for r in runs), 3),
-            "wall_s": round(sum(r["wall_s"] for r in runs), 1), "cpu_s": round(sum(r["cpu_s"] for r in runs), 1)}
+    return {
+        "eval_final_mean": round(mean(finals), 4),
+        "eval_final_min": round(min(finals), 4),
+        "eval_final_max": round(max(finals), 4),
+        "eval_first_mean": round(mean(r["eval_first"] for r in runs), 4),
+        "steps_per_s": round(mean(r["steps_per_s"] for r in runs), 3),
+        "busy_fraction": round(mean(r["busy"] for r in runs), 3),
+        "wall_s": round(sum(r["wall_s"] for r in runs), 1),
+        "cpu_s": round(sum(r["cpu_s"] for r in runs), 1),
+    }
 
 
 def report(paths: list[str], png: str | None) -> None:
     """The markdown table (and, with ``png``, the plot) of sweep JSON lines read back from files."""
-    rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines()
-            if line.startswith('{"bench": "staleness_sweep"')]
+    rows = [
+        json.loads(line)
+        for p in paths
+        for line in Path(p).read_text().splitlines()
+        if line.startswith('{"bench": "staleness_sweep"')
+    ]
     rows.sort(key=lambda r: (not r["off_policy_correction"], r["staleness"]))
     print("| S | correction | eval_final mean (min–max) | vs S=0 | steps/s | busy_fraction |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['staleness']} | {'on' if r['off_policy_correction'] else 'off'} | "
-              f"{r['eval_final_mean']:.3f} ({r['eval_final_min']:.3f}–{r['eval_final_max']:.3f}) | "
-              f"{r['eval_final_vs_S0']:+.3f} | {r['steps_per_s']:.2f} | {r['busy_fraction']:.2f} |")
+        print(
+            f"| {r['staleness']} | {'on' if r['off_policy_correction'] else 'off'} | "
+            f"{r['eval_final_mean']:.3f} ({r['eval_final_min']:.3f}–{r['eval_final_max']:.3f}) | "
+            f"{r['eval_final_vs_S0']:+.3f} | {r['steps_per_s']:.2f} | {r['busy_fraction']:.2f} |"
+        )
     if png is None:
         return
     import matplotlib
@@ -93,8 +127,11 @@ def report(paths: list[str], png: str | None) -> None:
         ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, label=label)
     if rows:
         ax.axhline(rows[0]["eval_first_mean"], color="grey", ls=":", label="start (step 0)")
-        ax.set_title(f"final eval_reward vs staleness bound S ({rows[0]['steps']} steps, "
-                     f"{len(rows[0]['seeds'])} seeds, min–max bars)", fontsize=9)
+        ax.set_title(
+            f"final eval_reward vs staleness bound S ({rows[0]['steps']} steps, "
+            f"{len(rows[0]['seeds'])} seeds, min–max bars)",
+            fontsize=9,
+        )
     ax.set_xlabel("staleness bound S")
     ax.set_ylabel("held-out eval_reward")
     ax.legend(fontsize=8)
@@ -138,12 +175,21 @@ def main() -> None:
                 res = summarise(runs)
                 if s == 0:
                     base = res
-                emit({"bench": "staleness_sweep", "staleness": s, "off_policy_correction": correction,
-                      "steps": args.steps, "seeds": args.seeds, **res,
-                      "baseline_S0_eval_final_mean": base["eval_final_mean"],
-                      "baseline_S0_steps_per_s": base["steps_per_s"],
-                      "eval_final_vs_S0": round(res["eval_final_mean"] - base["eval_final_mean"], 4),
-                      "speedup_vs_S0": round(res["steps_per_s"] / max(1e-9, base["steps_per_s"]), 3)}, args.json)
+                emit(
+                    {
+                        "bench": "staleness_sweep",
+                        "staleness": s,
+                        "off_policy_correction": correction,
+                        "steps": args.steps,
+                        "seeds": args.seeds,
+                        **res,
+                        "baseline_S0_eval_final_mean": base["eval_final_mean"],
+                        "baseline_S0_steps_per_s": base["steps_per_s"],
+                        "eval_final_vs_S0": round(res["eval_final_mean"] - base["eval_final_mean"], 4),
+                        "speedup_vs_S0": round(res["steps_per_s"] / max(1e-9, base["steps_per_s"]), 3),
+                    },
+                    args.json,
+                )
                 sys.stdout.flush()
 
 

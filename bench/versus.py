@@ -89,8 +89,15 @@ class Trial:
     # --- processes -----------------------------------------------------------------------------
     def spawn(self, name: str, peer: object, argv: list[str]) -> subprocess.Popen:
         log = (self.work / f"{name}.log").open("w")
-        p = subprocess.Popen(peer.cmd(*argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,  # type: ignore[attr-defined]
-                             text=True, env={**ENV, **PEER_ENV}, start_new_session=True)
+        p = subprocess.Popen(
+            peer.cmd(*argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,  # type: ignore[attr-defined]
+            text=True,
+            env={**ENV, **PEER_ENV},
+            start_new_session=True,
+        )
         peer.procs.append(p)  # type: ignore[attr-defined]
         self.procs[name] = p
         threading.Thread(target=self._read, args=(name, p), daemon=True).start()
@@ -120,8 +127,7 @@ class Trial:
         while names - set(got):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"{self.system}: no {event!r} from {sorted(names - set(got))} "
-                                   f"(logs in {self.work})")
+                raise RuntimeError(f"{self.system}: no {event!r} from {sorted(names - set(got))} (logs in {self.work})")
             try:
                 name, obj = self.events.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -200,15 +206,25 @@ class Trial:
         times = sorted(d["t"] - self.t0 for d in ok.values())
         survivors = [n for n in receivers if n not in self.victims_killed]
         finished = all(n in ok for n in survivors)
-        return {"system": self.system, "setting": self.setting, "nodes": self.args.nodes,
-                "size_mb": self.args.size_mb, "uplink_mbps": self.args.uplink_mbps, "churn": self.args.churn,
-                "seconds": round(times[-1], 3) if times and finished else None,
-                "p50_seconds": round(statistics.median(times), 3) if times else None,
-                "origin_upload_bytes": tx, "origin_upload_copies": round(tx / self.args.bytes, 3),
-                "cpu_seconds": round(cpu, 2), "lower_bound_seconds": round(self.bound, 3),
-                "receivers_verified": len(ok), "receivers_killed": len(self.victims_killed),
-                "survivors_verified": sum(n in ok for n in survivors), "survivors": len(survivors),
-                "bad_digests": sum(1 for n, d in self.done.items() if d.get("digest") != self.args.digest)}
+        return {
+            "system": self.system,
+            "setting": self.setting,
+            "nodes": self.args.nodes,
+            "size_mb": self.args.size_mb,
+            "uplink_mbps": self.args.uplink_mbps,
+            "churn": self.args.churn,
+            "seconds": round(times[-1], 3) if times and finished else None,
+            "p50_seconds": round(statistics.median(times), 3) if times else None,
+            "origin_upload_bytes": tx,
+            "origin_upload_copies": round(tx / self.args.bytes, 3),
+            "cpu_seconds": round(cpu, 2),
+            "lower_bound_seconds": round(self.bound, 3),
+            "receivers_verified": len(ok),
+            "receivers_killed": len(self.victims_killed),
+            "survivors_verified": sum(n in ok for n in survivors),
+            "survivors": len(survivors),
+            "bad_digests": sum(1 for n, d in self.done.items() if d.get("digest") != self.args.digest),
+        }
 
     def close(self, keep_logs: bool) -> None:
         """Tear the lab down; a failed or incomplete trial's logs are kept (path on stderr)."""
@@ -223,16 +239,24 @@ class Trial:
 
 # --- the systems ----------------------------------------------------------------------------------
 def run_echorl(t: Trial, direct: bool, pace_mbps: float) -> dict:
-    a = argparse.Namespace(size_mb=t.args.size_mb, fanout=t.args.fanout, chunk_kb=t.args.chunk_kb,
-                           timeout=t.args.timeout, no_direct=not direct, pace_mbps=pace_mbps)
+    a = argparse.Namespace(
+        size_mb=t.args.size_mb,
+        fanout=t.args.fanout,
+        chunk_kb=t.args.chunk_kb,
+        timeout=t.args.timeout,
+        no_direct=not direct,
+        pace_mbps=pace_mbps,
+    )
     t.spawn("origin", t.origin, broadcaster_argv(a))
     addr = t.expect({"origin"}, "ready", 120)["origin"]["addr"]
     names = [r.name for r in t.receivers]
     for r in t.receivers:
         t.spawn(r.name, r, relay_argv(addr, not direct, pace_mbps))
     ready = t.expect(set(names), "ready", 120)
-    t.send("origin", json.dumps([{"peer_id": ready[n]["peer_id"], "addrs": ready[n]["addrs"], "reachable": True}
-                                 for n in names]))
+    t.send(
+        "origin",
+        json.dumps([{"peer_id": ready[n]["peer_id"], "addrs": ready[n]["addrs"], "reachable": True} for n in names]),
+    )
     t.expect({"origin"}, "publishing", t.args.timeout)
     row = t.collect(names)
     try:  # the broadcaster's own count of its interface's bytes during the timed version
@@ -257,17 +281,35 @@ def run_one_to_many(t: Trial) -> dict:
 
 
 def run_shardcast(t: Trial, middles: int, shard_bytes: int) -> dict:
-    t.spawn("origin", t.origin, [*PEERS, "sc-origin", "--file", str(t.args.payload), "--port", str(PORT),
-                                 "--dir", str(t.work / "origin")])
+    t.spawn(
+        "origin",
+        t.origin,
+        [*PEERS, "sc-origin", "--file", str(t.args.payload), "--port", str(PORT), "--dir", str(t.work / "origin")],
+    )
     t.expect({"origin"}, "ready", 120)
     mids, clients = t.receivers[:middles], t.receivers[middles:]
     for r in mids:
-        t.spawn(r.name, r, [*PEERS, "sc-middle", "--origin", t.origin.ip, "--port", str(PORT),
-                            "--dir", str(t.work / r.name)])
+        t.spawn(
+            r.name,
+            r,
+            [*PEERS, "sc-middle", "--origin", t.origin.ip, "--port", str(PORT), "--dir", str(t.work / r.name)],
+        )
     t.expect({r.name for r in mids}, "ready", 120)
     for r in clients:
-        t.spawn(r.name, r, [*PEERS, "sc-client", "--middles", ",".join(m.ip for m in mids), "--port", str(PORT),
-                            "--dir", str(t.work / r.name)])
+        t.spawn(
+            r.name,
+            r,
+            [
+                *PEERS,
+                "sc-client",
+                "--middles",
+                ",".join(m.ip for m in mids),
+                "--port",
+                str(PORT),
+                "--dir",
+                str(t.work / r.name),
+            ],
+        )
     t.expect({r.name for r in clients}, "ready", 120)
     t.mark()
     t.send("origin", "go")
@@ -275,14 +317,47 @@ def run_shardcast(t: Trial, middles: int, shard_bytes: int) -> dict:
 
 
 def run_lattica(t: Trial, block_bytes: int, concurrency: int) -> dict:
-    t.spawn("origin", t.origin, [*PEERS, "lat-origin", "--file", str(t.args.payload), "--port", str(PORT),
-                                 "--ip", t.origin.ip, "--dir", str(t.work / "origin"),
-                                 "--block-bytes", str(block_bytes)])
+    t.spawn(
+        "origin",
+        t.origin,
+        [
+            *PEERS,
+            "lat-origin",
+            "--file",
+            str(t.args.payload),
+            "--port",
+            str(PORT),
+            "--ip",
+            t.origin.ip,
+            "--dir",
+            str(t.work / "origin"),
+            "--block-bytes",
+            str(block_bytes),
+        ],
+    )
     addr = t.expect({"origin"}, "ready", 120)["origin"]["addr"]
     names, addrs = [r.name for r in t.receivers], [addr]
     for i, r in enumerate(t.receivers):  # one at a time: each bootstraps with every peer before it
-        t.spawn(r.name, r, [*PEERS, "lat-recv", "--bootstrap", ",".join(addrs), "--dir", str(t.work / r.name),
-                            "--ip", r.ip, "--port", str(PORT), "--concurrency", str(concurrency), "--seed", str(i)])
+        t.spawn(
+            r.name,
+            r,
+            [
+                *PEERS,
+                "lat-recv",
+                "--bootstrap",
+                ",".join(addrs),
+                "--dir",
+                str(t.work / r.name),
+                "--ip",
+                r.ip,
+                "--port",
+                str(PORT),
+                "--concurrency",
+                str(concurrency),
+                "--seed",
+                str(i),
+            ],
+        )
         addrs.append(t.expect({r.name}, "ready", 120)[r.name]["addr"])
     time.sleep(2.0)  # Kademlia bootstrap: the receivers find each other through the origin
     t.mark()
@@ -301,21 +376,30 @@ def trials(args: argparse.Namespace) -> list[tuple[str, str, object]]:
             chunk = f"chunk{args.chunk_kb:g}k" if args.chunk_kb else "chunkauto"
             for fraction in args.pace:
                 mbps = round(fraction * args.uplink_mbps, 3)
-                out.append((system, f"fanout{args.fanout}-{chunk}-" + (f"pace{mbps:g}" if mbps else "unpaced"),
-                            lambda t, d=system == "echorl-direct", m=mbps: run_echorl(t, d, m)))
+                out.append(
+                    (
+                        system,
+                        f"fanout{args.fanout}-{chunk}-" + (f"pace{mbps:g}" if mbps else "unpaced"),
+                        lambda t, d=system == "echorl-direct", m=mbps: run_echorl(t, d, m),
+                    )
+                )
         elif system == "one-to-many":
             out.append((system, "tcp", run_one_to_many))
         elif system == "shardcast":
             for s in args.shardcast:
                 m, mb = s.split(":")
                 mids = max(1, round(math.sqrt(args.nodes))) if m == "sqrt" else int(m)
-                out.append((system, f"middles{mids}-shard{mb}MB",
-                            lambda t, mids=mids, b=int(float(mb) * 1e6): run_shardcast(t, mids, b)))
+                out.append(
+                    (
+                        system,
+                        f"middles{mids}-shard{mb}MB",
+                        lambda t, mids=mids, b=int(float(mb) * 1e6): run_shardcast(t, mids, b),
+                    )
+                )
         elif system == "lattica":
             for s in args.lattica:
                 kb, c = s.split(":")
-                out.append((system, f"block{kb}k-conc{c}",
-                            lambda t, b=int(kb) * 1024, c=int(c): run_lattica(t, b, c)))
+                out.append((system, f"block{kb}k-conc{c}", lambda t, b=int(kb) * 1024, c=int(c): run_lattica(t, b, c)))
     return out
 
 
@@ -327,15 +411,23 @@ def main() -> None:
     ap.add_argument("--churn", type=float, default=0.0, help="fraction of receivers killed at t0 + W/B/2")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--fanout", type=int, default=4, help="echorl: plan fanout")
-    ap.add_argument("--chunk-kb", type=float, default=0.0,
-                    help="echorl: chunk size (0: the learner's default, auto_chunk_bytes)")
-    ap.add_argument("--pace", default="0.95,0",
-                    help="echorl: every peer's --upload-mbps as fractions of --uplink-mbps, comma-separated, "
-                         "each one trial (0: unpaced; docs/network-notes.md tells volunteers 0.95)")
-    ap.add_argument("--lattica", default="256:2,64:2",
-                    help="settings BLOCK_KB:CONCURRENCY, comma-separated (each is one trial)")
-    ap.add_argument("--shardcast", default="sqrt:1,2:50",
-                    help="settings MIDDLES:SHARD_MB (MIDDLES a number or sqrt), comma-separated")
+    ap.add_argument(
+        "--chunk-kb", type=float, default=0.0, help="echorl: chunk size (0: the learner's default, auto_chunk_bytes)"
+    )
+    ap.add_argument(
+        "--pace",
+        default="0.95,0",
+        help="echorl: every peer's --upload-mbps as fractions of --uplink-mbps, comma-separated, "
+        "each one trial (0: unpaced; docs/network-notes.md tells volunteers 0.95)",
+    )
+    ap.add_argument(
+        "--lattica", default="256:2,64:2", help="settings BLOCK_KB:CONCURRENCY, comma-separated (each is one trial)"
+    )
+    ap.add_argument(
+        "--shardcast",
+        default="sqrt:1,2:50",
+        help="settings MIDDLES:SHARD_MB (MIDDLES a number or sqrt), comma-separated",
+    )
     ap.add_argument("--timeout", type=float, default=0.0, help="per trial (default 2·N·W/B + 60 s)")
     ap.add_argument("--keep-logs", default="", help="copy every trial's peer logs here")
     ap.add_argument("--json", action="store_true")
@@ -362,8 +454,7 @@ def main() -> None:
         for system, setting, run in trials(args):
             need = NEEDS.get(system)
             if need and importlib.util.find_spec(need) is None:
-                emit({"system": system, "skipped": f"`{need}` is not installed (pip install -e '.[bench]')"},
-                     args.json)
+                emit({"system": system, "skipped": f"`{need}` is not installed (pip install -e '.[bench]')"}, args.json)
                 continue
             t = Trial(Lab, args, system, setting, work)
             row: dict = {"system": system, "setting": setting, "error": "interrupted"}

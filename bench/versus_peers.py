@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,11 +55,28 @@ def wait_go() -> None:
         sys.exit(0)
 
 
-def private_tmp() -> None:
+def private_tmp(*keep: str) -> None:
     """A private /tmp for this process: Shardcast's downloader writes the fixed path
     /tmp/dummy.bin on start; processes of one machine would race on it (on separate machines, as
-    it is meant to run, they do not). ``ip netns exec`` gave this process its own mount namespace."""
+    it is meant to run, they do not). ``ip netns exec`` gave this process its own mount namespace.
+    What this process still needs under the old /tmp (the interpreter's environment, a virtualenv
+    made there, the installed package, the checkout, ``keep``) is bound back into the new one at
+    the same paths: a tmpfs over all of /tmp hid a virtualenv there (``No module named
+    'shardcast'``, and the race silently lost a competitor)."""
+    spec = importlib.util.find_spec("shardcast")
+    needed = [sys.prefix, sys.exec_prefix, sys.base_prefix, str(Path(__file__).resolve().parents[1]), *keep]
+    if spec is not None and spec.origin:
+        needed.append(str(Path(spec.origin).parent))
+    under = sorted({os.path.realpath(p) for p in needed if p and os.path.realpath(p).startswith("/tmp/")})
+    tops = [p for p in under if not any(p.startswith(q + "/") for q in under if q != p)]
+    old = ""
+    if tops:  # the old /tmp stays reachable at a private path while the tmpfs covers /tmp
+        old = tempfile.mkdtemp(prefix="versus-oldtmp-", dir="/var/tmp")
+        subprocess.run(["mount", "--bind", "/tmp", old], check=True, timeout=30)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", "/tmp"], check=True, timeout=30)
+    for path in tops:
+        os.makedirs(path, exist_ok=True)
+        subprocess.run(["mount", "--bind", old + path[len("/tmp") :], path], check=True, timeout=30)
 
 
 # --- one-to-many ------------------------------------------------------------------------------
@@ -100,7 +119,7 @@ def o2m_recv(args: argparse.Namespace) -> None:
 
 # --- Shardcast --------------------------------------------------------------------------------
 def sc_origin(args: argparse.Namespace) -> None:
-    private_tmp()
+    private_tmp(args.dir)
     from shardcast import OriginServer
 
     Path(args.dir, "data1.bin").write_bytes(b"x" * 1024)  # the probe file its downloader fetches first
@@ -115,7 +134,7 @@ def sc_origin(args: argparse.Namespace) -> None:
 
 def sc_middle(args: argparse.Namespace) -> None:
     """A middle node that is also a receiver: it holds a copy once it has every shard."""
-    private_tmp()
+    private_tmp(args.dir)
     from shardcast import MiddleNode
 
     Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -136,11 +155,10 @@ def sc_middle(args: argparse.Namespace) -> None:
 
 
 def sc_client(args: argparse.Namespace) -> None:
-    private_tmp()
+    private_tmp(args.dir)
     # its ClientNode writes the distribution file next to the installed package
     # (site-packages/temp_distribution.txt): clients of one machine would race on it, so this
     # one imports its own copy of the package from its own directory
-    import importlib.util
     import shutil
 
     origin = Path(importlib.util.find_spec("shardcast").origin).parent  # type: ignore[union-attr, arg-type]
@@ -164,9 +182,16 @@ def sc_client(args: argparse.Namespace) -> None:
 def _lattica(listen_port: int, bootstrap: list[str], storage: Path) -> object:
     from lattica import Lattica
 
-    return (Lattica.builder().with_listen_addrs([f"/ip4/0.0.0.0/tcp/{listen_port}"]).with_bootstraps(bootstrap)
-            .with_mdns(False).with_upnp(False).with_storage_path(str(storage / "blocks"))
-            .with_dht_db_path(str(storage / "dht")).build())
+    return (
+        Lattica.builder()
+        .with_listen_addrs([f"/ip4/0.0.0.0/tcp/{listen_port}"])
+        .with_bootstraps(bootstrap)
+        .with_mdns(False)
+        .with_upnp(False)
+        .with_storage_path(str(storage / "blocks"))
+        .with_dht_db_path(str(storage / "dht"))
+        .build()
+    )
 
 
 def lat_origin(args: argparse.Namespace) -> None:
@@ -175,7 +200,7 @@ def lat_origin(args: argparse.Namespace) -> None:
     wait_go()
     emit(event="start", t0=time.time())
     data, size = Path(args.file).read_bytes(), args.block_bytes
-    cids = [node.put_block(data[i:i + size]) for i in range(0, len(data), size)]
+    cids = [node.put_block(data[i : i + size]) for i in range(0, len(data), size)]
     emit(event="blocks", cids=cids)
     while sys.stdin.readline():
         pass
@@ -209,8 +234,15 @@ def lat_recv(args: argparse.Namespace) -> None:
         pass
 
 
-ROLES = {"o2m-origin": o2m_origin, "o2m-recv": o2m_recv, "sc-origin": sc_origin, "sc-middle": sc_middle,
-         "sc-client": sc_client, "lat-origin": lat_origin, "lat-recv": lat_recv}
+ROLES = {
+    "o2m-origin": o2m_origin,
+    "o2m-recv": o2m_recv,
+    "sc-origin": sc_origin,
+    "sc-middle": sc_middle,
+    "sc-client": sc_client,
+    "lat-origin": lat_origin,
+    "lat-recv": lat_recv,
+}
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def step(summary: dict, name: str, fn, *args) -> None:
     t0 = time.perf_counter()
     try:
         summary[name] = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - a failing step is reported, the others still run
+    except Exception as exc:
         traceback.print_exc()
         summary[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     summary[name]["seconds"] = round(time.perf_counter() - t0, 1)
@@ -82,8 +82,12 @@ def vllm_check(path: Path, dtype: str) -> dict:
         out[f"{tag}_generate_s"] = round(time.perf_counter() - t, 3)
         groups = [RolloutGroup(f"p{i}", x, engine.encode(x), s, 0) for i, (x, s) in enumerate(zip(texts, samples))]
         res = checker.check_sync(groups, 0, "vllm", dtype)
-        out[tag] = {"mean_abs_diff": round(res.mean_abs_diff, 5), "max_abs_diff": round(res.max_abs_diff, 5),
-                    "tokens": res.tokens, "passes_tolerance": res.ok}
+        out[tag] = {
+            "mean_abs_diff": round(res.mean_abs_diff, 5),
+            "max_abs_diff": round(res.max_abs_diff, 5),
+            "tokens": res.tokens,
+            "passes_tolerance": res.ok,
+        }
 
     score(ref.state_dict(), "before_update")
     torch.manual_seed(1)
@@ -106,15 +110,41 @@ def apply_check(models: dict[str, Path], device: str) -> dict:
 
 def demo(device: str, steps: int, workdir: Path) -> dict:
     metrics = workdir / "demo.jsonl"
-    cmd = [sys.executable, "-m", "echorl.cli", "demo", "--device", device, "--steps", str(steps), "--nodes", "2",
-           "--metrics-out", str(metrics), "--workdir", str(workdir / "demo")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "echorl.cli",
+        "demo",
+        "--device",
+        device,
+        "--steps",
+        str(steps),
+        "--nodes",
+        "2",
+        "--metrics-out",
+        str(metrics),
+        "--workdir",
+        str(workdir / "demo"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = metrics.read_text().splitlines() if metrics.exists() else []
     last = json.loads(lines[-1]) if lines else {}
-    keep = ("step", "version", "eval_reward", "reward_mean", "rollouts_accepted", "spot_checks",
-            "rollouts_rejected_logprob", "spot_check_passed_max_abs_diff")
-    return {"rc": proc.returncode, "steps_logged": len(lines), **{k: last[k] for k in keep if k in last},
-            "stderr_tail": proc.stderr[-300:] if proc.returncode else ""}
+    keep = (
+        "step",
+        "version",
+        "eval_reward",
+        "reward_mean",
+        "rollouts_accepted",
+        "spot_checks",
+        "rollouts_rejected_logprob",
+        "spot_check_passed_max_abs_diff",
+    )
+    return {
+        "rc": proc.returncode,
+        "steps_logged": len(lines),
+        **{k: last[k] for k in keep if k in last},
+        "stderr_tail": proc.stderr[-300:] if proc.returncode else "",
+    }
 
 
 def main() -> int:
@@ -132,8 +162,13 @@ def main() -> int:
     from echorl.actor.model import QWEN3_135M, build_default_model, build_random_model
 
     device, dtype = resolve_device(args.device)
-    summary: dict = {"check": "gpu", "device": device, "dtype": dtype, "torch": torch.__version__,
-                     "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None}
+    summary: dict = {
+        "check": "gpu",
+        "device": device,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+    }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="echorl-gpucheck-") as tmp:
         arch = replace(QWEN3_135M, num_hidden_layers=4) if args.small else QWEN3_135M

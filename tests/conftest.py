@@ -2,7 +2,6 @@
 and stops every one of them after the test, whatever happened."""
 
 import pytest
-
 from swarm import Swarm
 
 

@@ -89,7 +89,7 @@ def clean_leftovers() -> list[str]:
     """Delete namespaces of labs whose creating process is gone; returns their names."""
     gone = []
     for ns in lab_namespaces():
-        owner = ns[len(PREFIX):].split("-", 1)[0]
+        owner = ns[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not _pid_alive(int(owner)):
             _delete_namespace(ns)
             gone.append(ns)
@@ -132,7 +132,7 @@ class Lab:
             self.close()
             raise
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -161,8 +161,22 @@ class Lab:
         self._run(ns, "ip", "link", "set", "eth0", "up")
         if mbps > 0:  # the peer's uplink: what it sends out of eth0
             burst = max(16 * 1024, int(mbps * 1e6 / 8 / 100))  # ~10 ms at line rate
-            self._run(ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{mbps}mbit",
-                      "burst", str(burst), "latency", "200ms")
+            self._run(
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                f"{mbps}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "200ms",
+            )
 
     def _build_nat(self, index: int) -> str:
         role, public_ip, lan = NATS[index]
@@ -172,16 +186,22 @@ class Lab:
         self._run(nat, "ip", "addr", "add", f"{lan}.1/24", "dev", "lan0")
         self._run(nat, "ip", "link", "set", "lan0", "up")
         self._run(nat, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        rules = ("table ip echorl_lab_nat {\n"
-                 " chain masq { type nat hook postrouting priority 100; oifname \"eth0\" masquerade; }\n"
-                 " chain gate { type filter hook forward priority 0; policy drop;\n"
-                 "  ct state established,related accept; iifname \"lan0\" oifname \"eth0\" accept; }\n"
-                 + (" chain mute { type filter hook input priority 0;\n"
-                    "  iifname \"eth0\" ct state established,related accept; iifname \"eth0\" drop; }\n"
-                    if self.nat_silent else "")
-                 + "}\n")
-        out = subprocess.run(["ip", "netns", "exec", nat, "nft", "-f", "-"], input=rules, capture_output=True,
-                             text=True, timeout=30)
+        rules = (
+            "table ip echorl_lab_nat {\n"
+            ' chain masq { type nat hook postrouting priority 100; oifname "eth0" masquerade; }\n'
+            " chain gate { type filter hook forward priority 0; policy drop;\n"
+            '  ct state established,related accept; iifname "lan0" oifname "eth0" accept; }\n'
+            + (
+                " chain mute { type filter hook input priority 0;\n"
+                '  iifname "eth0" ct state established,related accept; iifname "eth0" drop; }\n'
+                if self.nat_silent
+                else ""
+            )
+            + "}\n"
+        )
+        out = subprocess.run(
+            ["ip", "netns", "exec", nat, "nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=30
+        )
         if out.returncode != 0:
             raise RuntimeError(f"nft in {nat}: {out.stderr.strip()}")
         if index == 0:
@@ -189,8 +209,7 @@ class Lab:
         self._nat_ns[index] = nat
         return nat
 
-    def add_peer(self, name: str, nat: bool = False, uplink_mbps: float | None = None,
-                 nat_index: int = 0) -> Peer:
+    def add_peer(self, name: str, nat: bool = False, uplink_mbps: float | None = None, nat_index: int = 0) -> Peer:
         """A namespace with one address: public (198.18.0.x on the hub bridge) or behind a NAT
         (``nat_index`` 0: 198.18.1.x behind 198.18.0.254; 1: 198.18.2.x behind 198.18.0.253;
         on that NAT's LAN bridge, default route through it)."""
@@ -220,13 +239,15 @@ class Lab:
 
     # --- running --------------------------------------------------------------------------------
     def spawn(self, peer: Peer, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(peer.cmd(*argv), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            peer.cmd(*argv), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         peer.procs.append(p)
         return p
 
-    def run(self, peer: Peer, argv: list[str], timeout: float = 60, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self, peer: Peer, argv: list[str], timeout: float = 60, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(peer.cmd(*argv), capture_output=True, text=True, timeout=timeout, env=env)
 
     def stop_processes(self, grace_s: float = 20.0) -> None:

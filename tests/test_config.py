@@ -1,7 +1,7 @@
 """The typed configs and the command line built from them (``echorl/config.py``): flags come
 from the fields (aliases, bools, KEY=VALUE), a config file is read, flags override it, the TOML
 written by ``--print-config`` reads back to the same config, bad values are one clear error, and
-``LeasePolicy`` is the learner config's lease section."""
+every tunable of the learner's service is a flag that reaches the component reading it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echorl import config
-from echorl.learner.config import LearnerConfig, TrainLocalConfig
+from echorl.common import config
+from echorl.learner.config import LearnerConfig
 from echorl.node.config import NodeConfig
+from echorl.rl.config import TrainLocalConfig
 
 
 def _parse(cls: type, argv: list[str]) -> config.Section:
@@ -25,8 +26,21 @@ def _parse(cls: type, argv: list[str]) -> config.Section:
 
 
 def test_old_flag_names_reach_their_fields() -> None:
-    cfg = _parse(LearnerConfig, ["--lease-timeout", "5", "--no-dht", "--task-option", "digits=3",
-                                 "--task-option", "path=x.jsonl", "--resume", "--activation", "cost"])
+    cfg = _parse(
+        LearnerConfig,
+        [
+            "--lease-timeout",
+            "5",
+            "--no-dht",
+            "--task-option",
+            "digits=3",
+            "--task-option",
+            "path=x.jsonl",
+            "--resume",
+            "--activation",
+            "cost",
+        ],
+    )
     assert cfg.lease_timeout_s == 5.0 and cfg.dht is False and cfg.resume is True and cfg.activation == "cost"
     assert cfg.task_options == {"digits": 3, "path": "x.jsonl"}  # typed like parse_task_options
     assert _parse(LearnerConfig, []).dht is True
@@ -40,11 +54,14 @@ def test_defaults_differ_per_role_but_bounds_are_shared() -> None:
     assert TrainLocalConfig.model_fields["staleness"].description == LearnerConfig.model_fields["staleness"].description
 
 
-@pytest.mark.parametrize("cls, argv", [
-    (LearnerConfig, ["--steps", "3", "--task-option", "digits=2", "--model", "m", "--no-dht", "--lr", "0.001"]),
-    (NodeConfig, ["--bootstrap", "/ip4/1.2.3.4/tcp/5/p2p/x", "--engine", "vllm", "--price-per-hour", "0.25"]),
-    (TrainLocalConfig, ["--quiet", "--loss-norm", "sequence", "--max-inflight", "9"]),
-])
+@pytest.mark.parametrize(
+    "cls, argv",
+    [
+        (LearnerConfig, ["--steps", "3", "--task-option", "digits=2", "--model", "m", "--no-dht", "--lr", "0.001"]),
+        (NodeConfig, ["--bootstrap", "/ip4/1.2.3.4/tcp/5/p2p/x", "--engine", "vllm", "--price-per-hour", "0.25"]),
+        (TrainLocalConfig, ["--quiet", "--loss-norm", "sequence", "--max-inflight", "9"]),
+    ],
+)
 def test_printed_toml_reads_back_and_flags_override_it(tmp_path, cls, argv) -> None:
     cfg = _parse(cls, argv)
     path = tmp_path / "c.toml"
@@ -56,7 +73,7 @@ def test_printed_toml_reads_back_and_flags_override_it(tmp_path, cls, argv) -> N
 
 def test_unknown_file_key_and_missing_required_field(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('stepz = 3\n')
+    path.write_text("stepz = 3\n")
     with pytest.raises(config.ConfigError, match=r"unknown test config keys: \['stepz'\]"):
         _parse(LearnerConfig, ["--config", str(path)])
     with pytest.raises(config.ConfigError, match="--bootstrap \\(bootstrap\\) is required"):
@@ -71,25 +88,51 @@ def test_bad_key_value_item_is_a_config_error() -> None:
         _parse(LearnerConfig, ["--task-option", "digits"])
 
 
-def test_lease_policy_is_the_lease_section_of_the_learner_config() -> None:
-    from echorl.learner.config import LeaseFields
-    from echorl.learner.service import LeasePolicy
-    from echorl.protocol.messages import SamplingSpec
+def test_every_service_tunable_is_a_flag_that_reaches_its_component() -> None:
+    """The service's components read the one learner config (typed as their section), so a flag
+    given for any ``ServiceFields`` field is what the component sees; the six admission tunables
+    were reachable by no flag before."""
+    from echorl.learner.config import ServiceFields
+    from echorl.learner.service import LearnerService
+    from echorl.protocol.identity import Identity
+    from echorl.rl.buffer import StalenessBuffer
+    from echorl.tasks import load_task
 
-    cfg = LearnerConfig(staleness=2, group_size=4, prompts_per_step=3, prompts_per_lease=5, lease_timeout_s=7.0,
-                        liveness_after_s=1.5, ping_timeout_s=2.5, heartbeat_s=0.5, activation="cost",
-                        activation_margin=0.5, activation_interval_s=3.0, activation_loss_window_s=60.0,
-                        activation_hysteresis=0.1, max_peers_per_ip=3, plan_newcomers=2, plan_max_members=9,
-                        idle_member_drop_s=5.0, dead_member_drop_s=4.0)
-    spec = SamplingSpec(temperature=0.7, top_p=1.0, max_new_tokens=9, stop=[])
-    policy = LeasePolicy.of(cfg, spec)
-    assert policy.sampling == spec
-    for name in LeaseFields.model_fields:
-        assert getattr(policy, name) == getattr(cfg, name) != getattr(LeasePolicy(), name), name
+    changed = {
+        "max_leases_per_peer": 3,
+        "unmeasured_deadline_factor": 2.5,
+        "expiry_backoff_s": 1.5,
+        "expiry_backoff_max_s": 60.0,
+        "refuse_after_expiries": 4,
+        "apply_bytes_per_s": 5e7,
+        "max_peers_per_ip": 3,
+        "plan_newcomers": 2,
+        "activation": "cost",
+        "activation_hysteresis": 0.1,
+        "spot_check_ban_after": 5,
+        "price_per_hour": 1.5,
+        "staleness": 2,
+        "prompts_per_step": 3,
+    }
+    argv: list[str] = []
+    for name, value in changed.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    cfg = _parse(LearnerConfig, argv)
+    assert set(ServiceFields.model_fields) <= set(LearnerConfig.model_fields)
+    for name, value in changed.items():
+        assert getattr(cfg, name) == value != getattr(ServiceFields(), name), name
+    svc = LearnerService(
+        Identity.generate(), "run-1", load_task("addition"), None, StalenessBuffer(2), cfg, vocab_size=100
+    )
+    assert svc.admission.policy.max_leases_per_peer == 3 and svc.admission.policy.apply_bytes_per_s == 5e7
+    assert svc.roster.policy.max_peers_per_ip == 3 and svc.activator.policy.activation == "cost"
+    assert svc.police.ban_after == 5 and svc.ledger.price_per_hour == 1.5
+    assert svc.rule.in_flight_cap == 3 and svc.rule.bound == 2
 
 
-scalars = st.one_of(st.text(max_size=20), st.integers(-2**62, 2**62), st.booleans(),
-                    st.floats(allow_nan=True, allow_infinity=True))
+scalars = st.one_of(
+    st.text(max_size=20), st.integers(-(2**62), 2**62), st.booleans(), st.floats(allow_nan=True, allow_infinity=True)
+)
 
 
 @settings(max_examples=200, deadline=None)

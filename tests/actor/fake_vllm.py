@@ -85,11 +85,21 @@ class LLM:
 
     constructed = 0
 
-    def __init__(self, model: str, gpu_memory_utilization: float = 0.9, logprobs_mode: str = "raw_logprobs",
-                 worker_extension_cls: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        gpu_memory_utilization: float = 0.9,
+        logprobs_mode: str = "raw_logprobs",
+        worker_extension_cls: str = "",
+        **kwargs: Any,
+    ) -> None:
         type(self).constructed += 1
-        self.init_kwargs = {"gpu_memory_utilization": gpu_memory_utilization, "logprobs_mode": logprobs_mode,
-                            "worker_extension_cls": worker_extension_cls, **kwargs}
+        self.init_kwargs = {
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "logprobs_mode": logprobs_mode,
+            "worker_extension_cls": worker_extension_cls,
+            **kwargs,
+        }
         self.engine = TorchBackend.from_pretrained(model)
         module, _, name = worker_extension_cls.rpartition(".")
         extension = getattr(importlib.import_module(module), name)
@@ -109,14 +119,17 @@ class LLM:
         self.prefix_resets += 1
         return True
 
-    def generate(self, prompts: list[dict], sampling_params: list[SamplingParams], use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[dict], sampling_params: list[SamplingParams], use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         assert self.init_kwargs["logprobs_mode"] == "processed_logprobs"
         outs = []
         for prompt, sp in zip(prompts, sampling_params, strict=True):
             self.sampling.append(sp)
             ids = list(prompt["prompt_token_ids"])
-            params = EchoParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_tokens,
-                                stop=list(sp.stop or []))
+            params = EchoParams(
+                temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_tokens, stop=list(sp.stop or [])
+            )
             samples = self.engine.sample_ids([ids] * sp.n, params, sp.seed)
             out = RequestOutput(ids)
             for i, s in enumerate(samples):

@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from echorl.actor.types import RolloutGroup, Sample, SamplingParams  # noqa: E402
+from echorl.actor.types import RolloutGroup, Sample, SamplingParams
 
 
 @pytest.fixture(scope="module")

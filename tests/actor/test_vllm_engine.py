@@ -13,10 +13,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import fake_vllm  # noqa: E402
+import fake_vllm
 
-from echorl.actor.types import RolloutGroup, SamplingParams  # noqa: E402
-from echorl.actor.vllm_backend import VLLMBackend, row_seed, sampling_kwargs, to_sample  # noqa: E402
+from echorl.actor.types import RolloutGroup, SamplingParams
+from echorl.actor.vllm_backend import VLLMBackend, row_seed, sampling_kwargs, to_sample
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_weights_update_in_place_and_sampling_follows(engine):
     built = fake_vllm.LLM.constructed
     engine.load_state_dict(new, 5)
     assert engine.version == 5 and fake_vllm.LLM.constructed == built  # no restart
-    (method, (path,)), = engine.llm.rpcs
+    ((method, (path,)),) = engine.llm.rpcs
     assert method == "echorl_load_weights_file" and not os.path.exists(path)  # the file is gone afterwards
     assert engine.llm.prefix_resets == 1
     live = engine.llm.engine.model.state_dict()

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import trio
 from libp2p.peer.id import ID
+from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster
 from echorl.broadcast.relay import Relay
@@ -21,8 +22,6 @@ from echorl.protocol import wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import CatchUp, CatchUpRequest, Chunk, ChunkRequest
 from echorl.protocol.routes import CATCHUP, CHUNK
-
-from swarm import safetensors_f32
 
 CHUNK_BYTES = 64 * 1024
 
@@ -44,11 +43,16 @@ def test_unjoined_peer_is_refused_and_members_are_paced_apart_from_the_broadcast
     async def main() -> None:
         li = Identity.generate()
         rate = 256 * 1024.0  # bytes/s a member may download outside the broadcast
-        async with open_host(li) as lh, open_host(Identity.generate()) as member, \
-                open_host(Identity.generate()) as stranger, open_host(Identity.generate()) as planned:
+        async with (
+            open_host(li) as lh,
+            open_host(Identity.generate()) as member,
+            open_host(Identity.generate()) as stranger,
+            open_host(Identity.generate()) as planned,
+        ):
             joined = {member.peer_id, planned.peer_id}
-            bc = Broadcaster(lh, li, "r", chunk_bytes=CHUNK_BYTES, direct=False,
-                             fetch_limit=RateLimit(rate, CHUNK_BYTES))
+            bc = Broadcaster(
+                lh, li, "r", chunk_bytes=CHUNK_BYTES, direct=False, fetch_limit=RateLimit(rate, CHUNK_BYTES)
+            )
             bc.server.admit = joined.__contains__
             bc.server.fetch_max_wait_s = 10.0
             bc.install()

@@ -13,21 +13,17 @@ import time
 import numpy as np
 import pytest
 import trio
+from hostile import plan_member
 from libp2p.peer.id import ID
+from test_hostile_rollouts import RUN, _join, _service, tiny  # noqa: F401 - fixture
 
 from echorl.broadcast.broadcaster import DONE, Broadcaster, NodeInfo
-from echorl.learner.buffer import StalenessBuffer
-from echorl.learner.service import LearnerService, LeasePolicy
-from echorl.protocol import routes
 from echorl.net.framing import read_frame
 from echorl.net.host import PeerUnavailable, RequestContext, open_host
-from echorl.protocol import wire
+from echorl.protocol import routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import BroadcastDone, Lease, LeaseDeferred, LeaseRequest
-
-from hostile import plan_member
-from test_hostile_rollouts import RUN, _join, _service, tiny  # noqa: F401 - fixture
 
 
 def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa: F811
@@ -43,14 +39,14 @@ def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa
         assert isinstance(second, LeaseDeferred) and second.reason == "paced"
         assert isinstance(await svc.on_lease(req, gctx), Lease)  # the honest peer is served
         for round_ in range(svc.admission.policy.refuse_after_expiries):
-            for rec in svc.book.held_by(hoarder.peer_id):
+            for rec in svc.leases.held_by(hoarder.peer_id):
                 rec.deadline = 0.0
-            for rec in svc.book.expire_due(time.monotonic()):
+            for rec in svc.leases.expire_due(time.monotonic()):
                 svc.buffer.requeue(rec.prompts)
                 svc.admission.on_expired(rec.peer_id)
             if round_ + 1 < svc.admission.policy.refuse_after_expiries:
                 reply = await svc.on_lease(req, hctx)
-                assert isinstance(reply, LeaseDeferred) and reply.retry_after_s >= 2.0 * 2 ** round_ - 0.1
+                assert isinstance(reply, LeaseDeferred) and reply.retry_after_s >= 2.0 * 2**round_ - 0.1
                 svc.admission.load(hoarder.peer_id).backoff_until = 0.0  # the back-off passed
                 assert isinstance(await svc.on_lease(req, hctx), Lease)
         with pytest.raises(ProtocolError) as err:
@@ -63,19 +59,21 @@ def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa
 def test_unmeasured_identities_together_hold_at_most_half_the_in_flight_budget(tiny) -> None:  # noqa: F811
     """Many fresh identities each take their one lease and never answer: together they get at
     most half of what may be in flight, and a measured, working peer still gets leases."""
+
     async def main() -> None:
         svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=4, prompts_per_lease=2, staleness=2)
         svc.note_published(0)
         honest = Identity.generate()
         gctx = _join(svc, honest)
-        svc.admission.on_result(honest.peer_id, groups=2, issued_at=time.monotonic() - 1.0)  # measured
+        for _ in range(3):  # measured and proven: three leases answered in time
+            svc.admission.on_result(honest.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
         req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
         held = 0
         for _ in range(10):
             reply = await svc.on_lease(req, _join(svc, Identity.generate()))
             held += len(reply.prompts) if isinstance(reply, Lease) else 0
-        cap = svc.policy.in_flight_cap
-        assert 0 < held <= max(svc.policy.prompts_per_lease, cap // 2) < 20
+        cap = svc.rule.in_flight_cap
+        assert 0 < held <= max(svc.settings.prompts_per_lease, cap // 2) < 20
         assert isinstance(await svc.on_lease(req, gctx), Lease)
 
     trio.run(main)
@@ -85,6 +83,7 @@ def test_unjoined_peer_big_submit_is_refused_unread(tiny) -> None:  # noqa: F811
     """The header announces a 4 MiB body and only a few bytes follow: a learner that reads the
     body first waits out its I/O timeout and answers nothing; one that checks the peer first
     answers ``not_found`` at once."""
+
     async def main() -> None:
         svc = _service(tiny)
         async with open_host(svc.identity) as host, open_host(Identity.generate()) as foreign:
@@ -105,8 +104,12 @@ def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
 
     async def main() -> None:
         identity = Identity.generate()
-        async with open_host(identity) as host, open_host(Identity.generate()) as good, \
-                open_host(Identity.generate()) as silent, trio.open_nursery() as nursery:
+        async with (
+            open_host(identity) as host,
+            open_host(Identity.generate()) as good,
+            open_host(Identity.generate()) as silent,
+            trio.open_nursery() as nursery,
+        ):
             bc = Broadcaster(host, identity, RUN, direct=False, straggler_floor_s=1.0, done_timeout_s=60.0)
             bc.install()
             plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
@@ -130,9 +133,13 @@ def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> 
 
     async def main() -> None:
         identity = Identity.generate()
-        async with open_host(identity) as host, open_host(Identity.generate()) as good, \
-                open_host(Identity.generate()) as newcomer, open_host(Identity.generate()) as lapsed, \
-                trio.open_nursery() as nursery:
+        async with (
+            open_host(identity) as host,
+            open_host(Identity.generate()) as good,
+            open_host(Identity.generate()) as newcomer,
+            open_host(Identity.generate()) as lapsed,
+            trio.open_nursery() as nursery,
+        ):
             bc = Broadcaster(host, identity, RUN, direct=False, done_timeout_s=60.0)
             assert bc.straggler_floor_s <= 5.0  # the default wait a silent member costs
             bc.straggler_floor_s = 0.5
@@ -144,8 +151,9 @@ def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> 
             members = []
             for v in range(1, 7):
                 report = await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
-                members.append({p for p in (newcomer.peer_id, lapsed.peer_id)
-                                if p in report.completed or p in report.missing})
+                members.append(
+                    {p for p in (newcomer.peer_id, lapsed.peer_id) if p in report.completed or p in report.missing}
+                )
             assert [newcomer.peer_id in m for m in members] == [True, False, False, False, False, False]
             # lapsed: reported v1, silent at v2, out of v3-v4, back at v5, out of the next 4 plans
             assert [lapsed.peer_id in m for m in members] == [True, True, False, False, True, False]
@@ -159,8 +167,12 @@ def test_a_leaf_node_forwards_nothing_in_any_stripe() -> None:
 
     async def main() -> None:
         identity = Identity.generate()
-        async with open_host(identity) as host, open_host(Identity.generate()) as a, \
-                open_host(Identity.generate()) as b, trio.open_nursery() as nursery:
+        async with (
+            open_host(identity) as host,
+            open_host(Identity.generate()) as a,
+            open_host(Identity.generate()) as b,
+            trio.open_nursery() as nursery,
+        ):
             bc = Broadcaster(host, identity, RUN, direct=False, fanout=1)
             bc.install()
             for h in (a, b):
@@ -186,9 +198,16 @@ def test_broadcast_done_only_from_members_about_their_own_parents() -> None:
             plan = plan_broadcast(host.peer_id, [PlanPeer(m) for m in members], 2)
             bc._done[5], bc._plans[5] = {}, plan
             outsider = Identity.generate().peer_id
-            accuse = lambda who: BroadcastDone(run_id=RUN, version=5, ok=True, seconds=0.1,  # noqa: E731
-                                               recovered_chunks=0, suspects=[who], detail="")
-            ctx = lambda pid: RequestContext(peer_id=pid, protocol=DONE, received_at=time.time())  # noqa: E731
+            accuse = lambda who: BroadcastDone(
+                run_id=RUN,
+                version=5,
+                ok=True,
+                seconds=0.1,
+                recovered_chunks=0,
+                suspects=[who],
+                detail="",
+            )
+            ctx = lambda pid: RequestContext(peer_id=pid, protocol=DONE, received_at=time.time())
             with pytest.raises(ProtocolError) as err:
                 await bc._on_done(accuse(members[0]), ctx(outsider))
             assert err.value.code == ErrorCode.NOT_FOUND and outsider not in bc._done[5]
@@ -207,8 +226,8 @@ def test_resave_of_a_version_never_leaves_latest_dangling(tmp_path, tiny, monkey
     import copy
     import os
 
-    from echorl.learner import checkpoint as ck
-    from echorl.learner.grpo import GRPOTrainer
+    from echorl.rl import checkpoint as ck
+    from echorl.rl.grpo import GRPOTrainer
 
     trainer = GRPOTrainer(copy.deepcopy(tiny.model))
     ck.save_checkpoint(tmp_path, trainer, cursor=3)
@@ -243,7 +262,7 @@ async def _hammer_submit(foreign, learner: str, times: int) -> int:
                 await stream.write(struct.pack(">I", 1 << 20))
                 body = await read_frame(stream, max_bytes=1 << 16, first_byte_timeout=5, io_timeout=5)
             answered += wire.decode(body).code == "not_found"
-        except Exception:  # noqa: BLE001 - reset or disconnected: the strike
+        except Exception:
             pass
     return answered
 
@@ -252,6 +271,7 @@ def test_stranger_hammering_a_members_only_route_is_struck_off(tiny) -> None:  #
     """A peer that never joined and keeps opening SUBMIT streams gets ``not_found`` up to the
     strike limit; then its connection is closed, its streams are reset unanswered for a while,
     and its address may not connect again under a fresh identity (no admitted peer shares it)."""
+
     async def main() -> None:
         svc = _service(tiny)
         async with open_host(svc.identity) as host, open_host(Identity.generate()) as foreign:
@@ -274,11 +294,15 @@ def test_stranger_hammering_a_members_only_route_is_struck_off(tiny) -> None:  #
 def test_a_struck_stranger_does_not_ban_an_address_an_admitted_peer_shares(tiny) -> None:  # noqa: F811
     """Behind one NAT (here: one loopback) a hostile identity is struck off alone: the address
     stays open because a joined node connects from it too."""
+
     async def main() -> None:
         svc = _service(tiny)
         member = Identity.generate()
-        async with open_host(svc.identity) as host, open_host(member) as honest, \
-                open_host(Identity.generate()) as foreign:
+        async with (
+            open_host(svc.identity) as host,
+            open_host(member) as honest,
+            open_host(Identity.generate()) as foreign,
+        ):
             svc.install(host)
             await honest.connect(host.addrs[0])
             _join(svc, member)
@@ -287,5 +311,41 @@ def test_a_struck_stranger_does_not_ban_an_address_an_admitted_peer_shares(tiny)
             assert host.strikes.struck == 1 and not host.guard.banned("127.0.0.1")
             async with open_host(Identity.generate()) as fresh:
                 assert await fresh.connect(host.addrs[0]) == learner
+
+    trio.run(main)
+
+
+def test_a_member_flooding_bad_signatures_is_struck_off(tiny) -> None:  # noqa: F811
+    """Issue 24, finding 6: a joined peer sent SUBMITs with bad signatures 50 times a second,
+    each read and verified, never a strike. Now each counts toward the host's strike limit;
+    past it the identity is forgotten (its bodies are no longer read), disconnected, and its
+    leases re-queued."""
+    from swarm import signed_submit
+
+    from echorl.net.host import RemoteError
+
+    async def main() -> None:
+        svc = _service(tiny)
+        svc.note_published(0)
+        me = Identity.generate()
+        async with open_host(svc.identity) as host, open_host(me) as hostile:
+            svc.install(host)
+            learner = await hostile.connect(host.addrs[0])
+            ctx = _join(svc, me)
+            lease = await svc.on_lease(LeaseRequest(run_id=RUN, version=0, max_prompts=2), ctx)
+            assert isinstance(lease, Lease)
+            forged = signed_submit(me, lease, 0).model_copy(update={"signature": b"\x01" * 64})
+            codes: list[str] = []
+            for _ in range(host.strikes.limit + 4):
+                try:
+                    await hostile.request(learner, routes.SUBMIT, forged, timeout=5.0)
+                except RemoteError as exc:
+                    codes.append(exc.code.value)
+                except Exception:  # reset, disconnected, or refused at the connection
+                    codes.append("cut")
+            n = host.strikes.limit - 1  # the limit-th strikes it off: that reply is cut, like every later one
+            assert codes[:n] == ["bad_signature"] * n and set(codes[n:]) == {"cut"}, codes
+            assert host.strikes.struck == 1 and me.peer_id not in svc.peers
+            assert not svc.leases.active  # its lease went back to the queue
 
     trio.run(main)

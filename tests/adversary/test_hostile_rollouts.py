@@ -15,17 +15,16 @@ import time
 import pytest
 import trio
 from pydantic import ValidationError
+from swarm import signed_submit
 
-from echorl.learner.buffer import StalenessBuffer
-from echorl.learner.service import LearnerService, LeasePolicy, PeerRecord
-from echorl.protocol import routes
+from echorl.learner.config import ServiceFields
+from echorl.learner.service import LearnerService, PeerRecord
 from echorl.net.host import RequestContext
-from echorl.protocol import wire
+from echorl.protocol import routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Capability, Lease, LeaseRequest, Sample, SamplingSpec, SubmitAccepted
-
-from swarm import signed_submit
+from echorl.rl.buffer import StalenessBuffer
 
 RUN = "echorl-demo"
 
@@ -43,17 +42,33 @@ def _service(tiny, version=lambda: 0, spot=None, **policy) -> LearnerService:
 
     task = load_task("addition", digits=2, seed=0)
     kw = {"group_size": 2, "prompts_per_lease": 2, "prompts_per_step": 2, "staleness": 2, **policy}
-    pol = LeasePolicy(sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]), **kw)
-    svc = LearnerService(Identity.generate(), RUN, task, tiny.tokenizer, StalenessBuffer(2, scorer=task.reward), pol,
-                         int(tiny.model.config.vocab_size), version=version, spot=spot)
+    pol = ServiceFields(**kw)
+    svc = LearnerService(
+        Identity.generate(),
+        RUN,
+        task,
+        tiny.tokenizer,
+        StalenessBuffer(2, scorer=task.reward),
+        pol,
+        int(tiny.model.config.vocab_size),
+        version=version,
+        spot=spot,
+    )
     return svc
 
 
 def _join(svc: LearnerService, me: Identity, tokens_per_s: float = 1.0) -> RequestContext:
-    cap = Capability(engine="torch", device="cpu", memory_bytes=0, tokens_per_s=tokens_per_s, price_per_hour=0.0,
-                     reachable=True, listen_addrs=[])
+    cap = Capability(
+        engine="torch",
+        device="cpu",
+        memory_bytes=0,
+        tokens_per_s=tokens_per_s,
+        price_per_hour=0.0,
+        reachable=True,
+        listen_addrs=[],
+    )
     now = time.monotonic()
-    svc.peers[me.peer_id] = PeerRecord(me.peer_id, cap, now, now, version=0)
+    svc.peers.add(PeerRecord(me.peer_id, cap, now, now, version=0))
     return RequestContext(peer_id=me.peer_id, protocol=routes.SUBMIT, received_at=time.time())
 
 
@@ -82,14 +97,20 @@ def test_extreme_logprobs_are_refused_at_the_wire() -> None:
     Sample(token_ids=[4], logprobs=[-100.0], finish_reason="length", reward_hint=0.0)  # the floor itself is fine
     # what a foreign client would put on the wire, bypassing the model: refused by the decoder
     me = Identity.generate()
-    lease = Lease(lease_id="L1", run_id=RUN, prompts=[{"prompt_id": "p", "text": "1+1="}], group_size=1,
-                  sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]), min_version=0,
-                  deadline_s=10.0)
+    lease = Lease(
+        lease_id="L1",
+        run_id=RUN,
+        prompts=[{"prompt_id": "p", "text": "1+1="}],
+        group_size=1,
+        sampling=SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[]),
+        min_version=0,
+        deadline_s=10.0,
+    )
     msg = signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,))
     body = bytearray(wire.encode(msg))
     pos = body.find(b"\xcb\xbf\xf0\x00\x00\x00\x00\x00\x00")  # msgpack float64 -1.0
     assert pos > 0
-    body[pos + 1: pos + 9] = bytes.fromhex("fe3c9e7d1f2a4c3b")  # a finite float64 ≈ -1e300
+    body[pos + 1 : pos + 9] = bytes.fromhex("fe3c9e7d1f2a4c3b")  # a finite float64 ≈ -1e300
     with pytest.raises(ProtocolError) as err:
         wire.decode(bytes(body))
     assert err.value.code == ErrorCode.SCHEMA
@@ -102,8 +123,9 @@ def test_behaviour_logprob_far_below_the_policy_cannot_poison_the_weights(tiny) 
 
     import torch
 
-    from echorl.actor.types import RolloutGroup, Sample as ActorSample
-    from echorl.learner.grpo import GRPOConfig, GRPOTrainer, grpo_token_loss
+    from echorl.actor.types import RolloutGroup
+    from echorl.actor.types import Sample as ActorSample
+    from echorl.rl.grpo import GRPOConfig, GRPOTrainer, grpo_token_loss
 
     logp = torch.full((1, 3), -2.0, requires_grad=True)
     loss, _ = grpo_token_loss(logp, torch.full((1, 3), -100.0), torch.tensor([-1.0]), torch.ones(1, 3), GRPOConfig())
@@ -122,8 +144,9 @@ def test_behaviour_logprob_far_below_the_policy_cannot_poison_the_weights(tiny) 
 def test_nonfinite_step_is_skipped_and_empty_batch_dropped(tiny) -> None:
     import copy
 
-    from echorl.actor.types import RolloutGroup, Sample as ActorSample
-    from echorl.learner.grpo import GRPOConfig, GRPOTrainer
+    from echorl.actor.types import RolloutGroup
+    from echorl.actor.types import Sample as ActorSample
+    from echorl.rl.grpo import GRPOConfig, GRPOTrainer
 
     trainer = GRPOTrainer(copy.deepcopy(tiny.model), GRPOConfig(lr=1e-2))
     ids = tiny.encode("1+1=")
@@ -146,10 +169,13 @@ def test_hostile_submissions_are_refused_and_an_honest_one_accepted(tiny) -> Non
         lease = await _lease(svc, bctx)
         # claims the learner's current-but-unpublished version 1 (t − b ≤ S holds): never checkable
         clock[0] = 1
-        out["unpublished"] = await _code(svc.on_submit(signed_submit(bad, lease, 1, token_ids=(4,), logprobs=(-1.0,)), bctx))
+        out["unpublished"] = await _code(
+            svc.on_submit(signed_submit(bad, lease, 1, token_ids=(4,), logprobs=(-1.0,)), bctx)
+        )
         lease = await _lease(svc, bctx)
-        out["after_eos"] = await _code(svc.on_submit(
-            signed_submit(bad, lease, 0, token_ids=(4, 1, 5), logprobs=(-1.0, -1.0, -1.0)), bctx))
+        out["after_eos"] = await _code(
+            svc.on_submit(signed_submit(bad, lease, 0, token_ids=(4, 1, 5), logprobs=(-1.0, -1.0, -1.0)), bctx)
+        )
         lease = await _lease(svc, gctx)
         honest = signed_submit(good, lease, 0, token_ids=(4, 1), logprobs=(-1.0, -2.0))
         honest = wire.sign(honest.model_copy(update={"generate_seconds": 5e-324}), good)  # the tiny-time attack
@@ -178,7 +204,10 @@ def test_stop_string_must_end_the_completion(tiny) -> None:
         Admission.check_completion([4] * 6, stop=[], **kw)  # longer than the lease allows
 
 
-def test_flagged_peer_whose_check_cannot_run_is_refused(tiny) -> None:
+def test_submission_whose_check_cannot_run_is_refused(tiny) -> None:
+    """Issue 24, finding 6: a skipped spot check was an accepted submission for an unflagged
+    peer (claim the version being built, dodge the check); now every peer is refused, the lease
+    re-queued, and the peer not counted against."""
     from echorl.learner.spot_check import SpotChecker
 
     async def main() -> None:
@@ -186,12 +215,16 @@ def test_flagged_peer_whose_check_cannot_run_is_refused(tiny) -> None:
         svc.note_published(0)
         me, other = Identity.generate(), Identity.generate()
         ctx, octx = _join(svc, me), _join(svc, other)
-        svc.spot.flag(me.peer_id)
+        svc.peers.flag(me.peer_id)
         lease = await _lease(svc, ctx)
         code = await _code(svc.on_submit(signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,)), ctx))
         assert code == "unverifiable" and svc.counters["submissions_rejected_unverifiable"] == 1
-        lease = await _lease(svc, octx)  # an unflagged peer is not refused for it
-        assert await _code(svc.on_submit(signed_submit(other, lease, 0, token_ids=(4,), logprobs=(-1.0,)), octx)) == "ok"
+        svc.police.spot.fraction = 1.0  # the unflagged peer's check is due too
+        lease = await _lease(svc, octx)  # an unflagged peer is refused too, not counted against
+        code = await _code(svc.on_submit(signed_submit(other, lease, 0, token_ids=(4,), logprobs=(-1.0,)), octx))
+        assert code == "unverifiable" and svc.counters["submissions_rejected_unverifiable"] == 2
+        assert other.peer_id not in svc.peers.flagged and not svc.leases.active and len(svc.buffer) == 0
+        assert {p.prompt_id for p in lease.prompts} <= {p.prompt_id for p in svc.buffer.pending_prompts()}
 
     trio.run(main)
 
@@ -208,6 +241,6 @@ def test_nonfinite_step_flags_its_contributors(tiny) -> None:
         assert await _code(svc.on_submit(signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,)), ctx)) == "ok"
         batch = svc.buffer.take(2, 0)
         svc.step_skipped(batch, "nonfinite")
-        assert svc.counters["train_steps_skipped_nonfinite"] == 1 and me.peer_id in svc.spot.flagged
+        assert me.peer_id in svc.peers.flagged
 
     trio.run(main)

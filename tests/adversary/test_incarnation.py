@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import trio
+from swarm import signed_submit
+from test_hostile_rollouts import RUN, _code, _join, _lease, _service, tiny  # noqa: F401 - fixture
 
 from echorl.broadcast.relay import Relay
 from echorl.net.host import RequestContext
@@ -20,9 +22,6 @@ from echorl.protocol import routes, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import LeaseDeferred, LeaseRequest, PlanAnnounce, PlanMember
-
-from swarm import signed_submit
-from test_hostile_rollouts import RUN, _code, _join, _lease, _service, tiny  # noqa: F401 - fixture
 
 OLD, NEW = secrets.token_bytes(16), secrets.token_bytes(16)
 
@@ -70,9 +69,21 @@ def test_node_drops_an_abandoned_branch_and_refuses_its_manifests(tmp_path) -> N
         members = [PlanMember(peer_id=me.peer_id, reachable=True, addrs=[])]
 
         def announce(manifest):
-            return wire.sign(PlanAnnounce(run_id=RUN, learner_peer_id=learner.peer_id, version=manifest.version,
-                                          manifest=manifest, shape="star", fanout=1, seed=0, learner_addrs=[],
-                                          members=members, created_at=0.0), learner)
+            return wire.sign(
+                PlanAnnounce(
+                    run_id=RUN,
+                    learner_peer_id=learner.peer_id,
+                    version=manifest.version,
+                    manifest=manifest,
+                    shape="star",
+                    fanout=1,
+                    seed=0,
+                    learner_addrs=[],
+                    members=members,
+                    created_at=0.0,
+                ),
+                learner,
+            )
 
         stale, _ = _version(learner, 6, OLD, seed=1)  # a late announce of the old branch
         with pytest.raises(ProtocolError) as err:
@@ -95,12 +106,19 @@ def test_learner_refuses_leases_and_submissions_of_another_incarnation(tiny) -> 
         reply = await svc.on_lease(LeaseRequest(run_id=RUN, version=0, max_prompts=2, incarnation=OLD), ctx)
         assert isinstance(reply, LeaseDeferred) and reply.reason == "weights_unknown"
         lease = await _lease(svc, ctx)
-        code = await _code(svc.on_submit(signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,),
-                                                       incarnation=OLD), ctx))
+        code = await _code(
+            svc.on_submit(signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,), incarnation=OLD), ctx)
+        )
         assert code == "wrong_incarnation" and len(svc.buffer) == 0
-        assert svc.book.held_by(me.peer_id) == []  # the lease is settled, its prompts re-queued
+        assert svc.leases.held_by(me.peer_id) == []  # the lease is settled, its prompts re-queued
         lease = await _lease(svc, ctx)
-        assert await _code(svc.on_submit(signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,),
-                                                       incarnation=svc.incarnation), ctx)) == "ok"
+        assert (
+            await _code(
+                svc.on_submit(
+                    signed_submit(me, lease, 0, token_ids=(4,), logprobs=(-1.0,), incarnation=svc.incarnation), ctx
+                )
+            )
+            == "ok"
+        )
 
     trio.run(main)

@@ -10,14 +10,13 @@ import logging
 
 import numpy as np
 import trio
+from test_hostile_rollouts import tiny  # noqa: F401 - fixture
 
 from echorl.actor.types import RolloutGroup, Sample
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
-from echorl.learner import checkpoint as ck
 from echorl.net.host import open_host
 from echorl.protocol.identity import Identity
-
-from test_hostile_rollouts import tiny  # noqa: F401 - fixture
+from echorl.rl import checkpoint as ck
 
 
 class FedSource:
@@ -30,8 +29,9 @@ class FedSource:
         p = self.loop.buffer.next_prompts(self.loop.task, 1)[0]
         ids = list(self.tok(p.text, add_special_tokens=False)["input_ids"])
         samples = [Sample([5, 6], [-1.0, -2.0], "length", "x"), Sample([7, 8], [-1.5, -1.0], "length", "y")]
-        self.loop.buffer.offer(RolloutGroup(p.prompt_id, p.text, ids, samples, self.loop.version), self.loop.version,
-                               [0.0, 1.0])
+        self.loop.buffer.offer(
+            RolloutGroup(p.prompt_id, p.text, ids, samples, self.loop.version), self.loop.version, [0.0, 1.0]
+        )
         await trio.sleep(0)
 
     async def publish(self, version, state_dict) -> None:
@@ -47,19 +47,25 @@ class FedSource:
         pass
 
 
-def test_checkpoint_on_a_full_disk_is_logged_counted_retried_and_training_continues(tiny, tmp_path,  # noqa: F811
-                                                                                     monkeypatch) -> None:
-    from echorl.learner import local
-    from echorl.learner.buffer import StalenessBuffer
-    from echorl.learner.config import TrainLocalConfig
-    from echorl.learner.grpo import GRPOConfig, GRPOTrainer
-    from echorl.learner.loop import TrainingLoop
+def test_checkpoint_on_a_full_disk_is_logged_counted_retried_and_training_continues(
+    tiny,  # noqa: F811 - the imported fixture
+    tmp_path,
+    monkeypatch,
+) -> None:
+    from echorl.rl import build
+    from echorl.rl.buffer import StalenessBuffer
+    from echorl.rl.config import TrainLocalConfig
+    from echorl.rl.grpo import GRPOConfig, GRPOTrainer
+    from echorl.rl.loop import TrainingLoop
     from echorl.tasks import load_task
 
     backend = tiny
     task = load_task("addition", digits=2, seed=0, n_eval=4)
-    settings = local.loop_settings(TrainLocalConfig(staleness=2, checkpoint_dir=str(tmp_path / "ck"),
-                                                    checkpoint_every=2, steps=5, prompts_per_step=1, seed=3))
+    settings = build.loop_settings(
+        TrainLocalConfig(
+            staleness=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, steps=5, prompts_per_step=1, seed=3
+        )
+    )
     loop = TrainingLoop(settings, task, GRPOTrainer(backend.model, GRPOConfig()), StalenessBuffer(2), backend)
     real_save, calls = ck.save_checkpoint, []
 
@@ -92,8 +98,9 @@ def test_demoted_relay_is_interior_again_after_eight_publications() -> None:
     async def main() -> None:
         identity = Identity.generate()
         async with open_host(identity) as host:
-            bc = Broadcaster(host, identity, "r", direct=False, announce_timeout_s=0.5, done_timeout_s=0.5,
-                             liveness_every_s=0.2)
+            bc = Broadcaster(
+                host, identity, "r", direct=False, announce_timeout_s=0.5, done_timeout_s=0.5, liveness_every_s=0.2
+            )
             relay = Identity.generate().peer_id
             nodes = [NodeInfo(relay, True, ())]
             bc._demote[relay] = bc._n_pub + bc.demote_for - 1  # reported by a child, completed: a leaf

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import trio
+from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster
 from echorl.broadcast.deadlines import Deadlines
@@ -15,14 +16,15 @@ from echorl.protocol.identity import Identity
 from echorl.protocol.messages import CatchUp
 from echorl.protocol.routes import CATCHUP, CHUNK
 
-from swarm import safetensors_f32
-
 
 def test_catch_up_abandons_a_holder_that_stops_sending() -> None:
     async def main() -> None:
         li = Identity.generate()
-        async with open_host(li) as lh, open_host(Identity.generate()) as staller, \
-                open_host(Identity.generate()) as node:
+        async with (
+            open_host(li) as lh,
+            open_host(Identity.generate()) as staller,
+            open_host(Identity.generate()) as node,
+        ):
             bc = Broadcaster(lh, li, "r", chunk_bytes=64 * 1024, direct=False)
             bc.install()
             await bc.publish(0, safetensors_f32(np.linspace(0, 1, 256 * 1024, dtype=np.float32)), [])
@@ -56,16 +58,17 @@ def test_parent_that_trickles_a_chunk_is_a_stall() -> None:
     import pytest
     from trio.testing import memory_stream_pair
 
-    from echorl.net.transport import TcpStreamAdapter, _Libp2pSource
+    from echorl.net.transport import FramedStream, TcpStreamAdapter
 
     async def main() -> None:
         async with open_host(Identity.generate()) as node:
-            relay = Relay(node, Identity.generate().peer_id, "r", direct=False, stall_s=5.0,
-                          deadlines=Deadlines(base_s=1.0))
+            relay = Relay(
+                node, Identity.generate().peer_id, "r", direct=False, stall_s=5.0, deadlines=Deadlines(base_s=1.0)
+            )
             child, parent = memory_stream_pair()
 
-            async def open_source(*_: object) -> _Libp2pSource:
-                return _Libp2pSource(TcpStreamAdapter(child), io_timeout=120.0)
+            async def open_source(*_: object) -> FramedStream:
+                return FramedStream(TcpStreamAdapter(child), io_timeout=120.0)
 
             relay._open_source = open_source  # type: ignore[method-assign]
             state = SimpleNamespace(manifest=SimpleNamespace(chunk_bytes=64 * 1024), stripe_complete=lambda s: False)

@@ -9,17 +9,24 @@ import json
 import math
 
 import trio
+from hostile import framed, join, newest_lease, nonfinite_logprob_body, oversized_header, raw_request
+from swarm import remote_code, signed_submit
 
 from echorl.net.host import open_host
 from echorl.protocol import routes, wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import LeaseRequest, Status, StatusRequest
 
-from hostile import framed, join, newest_lease, nonfinite_logprob_body, oversized_header, raw_request
-from swarm import remote_code, signed_submit
-
-CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 2, "group_size": 2, "staleness": 2, "eval_every": 100000,
-          "steps": 0, "spot_check_fraction": 0.0, "checkpoint_dir": "none"}
+CONFIG = {
+    "prompts_per_step": 4,
+    "prompts_per_lease": 2,
+    "group_size": 2,
+    "staleness": 2,
+    "eval_every": 100000,
+    "steps": 0,
+    "spot_check_fraction": 0.0,
+    "checkpoint_dir": "none",
+}
 
 
 async def attack(addr: str) -> dict:
@@ -32,7 +39,7 @@ async def attack(addr: str) -> dict:
         with trio.fail_after(5):
             out["unjoined_frame"] = await raw_request(stranger, learner, routes.SUBMIT, oversized_header(4 << 20), 5)
         await join(host, learner, me, tokens_per_s=0.0)
-        submit = lambda msg: remote_code(host.request(learner, routes.SUBMIT, msg))  # noqa: E731
+        submit = lambda msg: remote_code(host.request(learner, routes.SUBMIT, msg))
 
         lease, v = await newest_lease(host, learner)
         hoard = await host.request(learner, routes.LEASE, LeaseRequest(run_id="echorl-demo", version=0, max_prompts=2))
@@ -40,7 +47,9 @@ async def attack(addr: str) -> dict:
         poison = nonfinite_logprob_body(signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,)))
         out["logprob_-1e300"] = await raw_request(host, learner, routes.SUBMIT, framed(poison), 10)
         st = (await host.request(learner, routes.STATUS, StatusRequest(), expect=Status)).learner
-        out["unpublished"] = await submit(signed_submit(me, lease, int(st["version"]) + 1, token_ids=(4,), logprobs=(-1.0,)))
+        out["unpublished"] = await submit(
+            signed_submit(me, lease, int(st["version"]) + 1, token_ids=(4,), logprobs=(-1.0,))
+        )
         lease, v = await newest_lease(host, learner)
         out["after_eos"] = await submit(signed_submit(me, lease, v, token_ids=(4, 1, 5), logprobs=(-1.0,) * 3))
         lease, v = await newest_lease(host, learner)
@@ -58,12 +67,21 @@ def test_learner_keeps_stepping_under_every_attack(swarm, tmp_path):
     swarm.start_node("honest")
     swarm.wait_for(lambda: any(r.get("step", 0) >= 2 for r in swarm.metrics()), timeout=240, what="2 steps")
     out = trio.run(attack, addr)
-    assert out == {"unjoined_frame": "not_found", "second_lease": "paced", "logprob_-1e300": "schema",
-                   "unpublished": "unpublished_version", "after_eos": "bad_rollout",
-                   "tiny_time_far_logprob": "ok", "status_after": "Status"}, out
+    assert out == {
+        "unjoined_frame": "not_found",
+        "second_lease": "paced",
+        "logprob_-1e300": "schema",
+        "unpublished": "unpublished_version",
+        "after_eos": "bad_rollout",
+        "tiny_time_far_logprob": "ok",
+        "status_after": "Status",
+    }, out
     start = max(r.get("step", 0) for r in swarm.metrics())
-    swarm.wait_for(lambda: max(r.get("step", 0) for r in swarm.metrics()) >= start + 3, timeout=240,
-                   what="3 more steps after the attacks")
+    swarm.wait_for(
+        lambda: max(r.get("step", 0) for r in swarm.metrics()) >= start + 3,
+        timeout=240,
+        what="3 more steps after the attacks",
+    )
     assert swarm.learner.poll() is None
     rows = [r for r in swarm.metrics() if r.get("step", 0) >= 1]
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["train_steps_skipped_nonfinite"] == 0

@@ -14,18 +14,17 @@ from pathlib import Path
 import pytest
 import trio
 from pydantic import ValidationError
+from swarm import remote_code
+from test_hostile_rollouts import RUN, _service, tiny  # noqa: F401 - fixture
 
 from echorl.learner.roster import MAX_MEMBER_ADDRS
-from echorl.net.guard import ip_key
 from echorl.learner.service import LearnerService
+from echorl.net.guard import ip_key
 from echorl.net.host import PeerUnavailable, RequestContext, open_host
 from echorl.protocol import routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Capability, JoinAccepted, JoinRequest
-
-from swarm import remote_code
-from test_hostile_rollouts import RUN, _service, tiny  # noqa: F401 - fixture
 
 
 class FakeHost:
@@ -42,10 +41,26 @@ class FakeHost:
 
 
 def _join_msg(me: Identity, addrs: list[str] | None = None) -> JoinRequest:
-    cap = Capability(engine="torch", device="cpu", memory_bytes=0, tokens_per_s=10.0, price_per_hour=0.0,
-                     reachable=False, listen_addrs=addrs if addrs is not None else [])
-    return wire.sign(JoinRequest(run_id=RUN, peer_id=me.peer_id, capability=cap, version=0, timestamp=time.time(),
-                                 nonce=secrets.token_bytes(16)), me)
+    cap = Capability(
+        engine="torch",
+        device="cpu",
+        memory_bytes=0,
+        tokens_per_s=10.0,
+        price_per_hour=0.0,
+        reachable=False,
+        listen_addrs=addrs if addrs is not None else [],
+    )
+    return wire.sign(
+        JoinRequest(
+            run_id=RUN,
+            peer_id=me.peer_id,
+            capability=cap,
+            version=0,
+            timestamp=time.time(),
+            nonce=secrets.token_bytes(16),
+        ),
+        me,
+    )
 
 
 async def _join(svc: LearnerService, host: FakeHost, me: Identity, ip: str, addrs: list[str] | None = None) -> str:
@@ -64,15 +79,14 @@ def _long_addrs(peer_id: str) -> list[str]:
 
 def test_flood_of_identities_is_capped_per_address_in_plans_and_in_time(tiny) -> None:  # noqa: F811
     async def main() -> None:
-        svc = _service(tiny, max_peers_per_ip=32, plan_newcomers=16, idle_member_drop_s=600.0,
-                       dead_member_drop_s=60.0)
+        svc = _service(tiny, max_peers_per_ip=32, plan_newcomers=16, idle_member_drop_s=600.0, dead_member_drop_s=60.0)
         host = FakeHost()
         svc.host = host  # type: ignore[assignment]
         honest = [Identity.generate() for _ in range(3)]
         for i, me in enumerate(honest):
             assert await _join(svc, host, me, f"10.0.0.{i + 1}") == "ok"
-            svc.peers[me.peer_id].groups_accepted = 5  # has done work
-            svc.peers[me.peer_id].leases_done = 1
+            svc.peers[me.peer_id].account.groups_accepted = 5  # has done work
+            svc.peers[me.peer_id].account.submissions_accepted = 1
         sybils = [Identity.generate() for _ in range(250)]
         codes = [await _join(svc, host, me, "203.0.113.7", _long_addrs(me.peer_id)) for me in sybils]
         assert codes.count("ok") == 32 and codes.count(ErrorCode.PEER_LIMIT.value) == 218
@@ -103,8 +117,8 @@ def test_flood_of_identities_is_capped_per_address_in_plans_and_in_time(tiny) ->
         # never worked: gone after idle_member_drop_s; one that holds a lease is kept; workers stay
         svc.note_published(0)
         keeper = joined[1]
-        svc.book.issue(keeper.peer_id, svc.buffer.next_prompts(svc.task, 1), 2, 0, time.monotonic(), 600.0)
-        gone = svc.roster.drop_idle(svc.peers, {keeper.peer_id}, now=time.monotonic() + 601.0)
+        svc.leases.issue(keeper.peer_id, svc.buffer.next_prompts(svc.task, 1), 2, 0, time.monotonic(), 600.0)
+        gone = svc.roster.drop_idle({keeper.peer_id}, now=time.monotonic() + 601.0)
         assert len(gone) == 64 - 1 and worker_ids | {keeper.peer_id} == set(svc.peers)
         assert await _join(svc, host, Identity.generate(), "203.0.113.7") == "ok"  # slots freed
 
@@ -120,10 +134,10 @@ def test_dead_member_that_never_worked_is_dropped_soon(tiny) -> None:  # noqa: F
         for me in (quiet, worker):
             assert await _join(svc, host, me, "198.51.100.1") == "ok"
             svc.peers[me.peer_id].alive = False  # both failed their liveness probe
-        svc.peers[worker.peer_id].leases_done = 1
+        svc.peers[worker.peer_id].account.submissions_accepted = 1
         now = time.monotonic()
-        assert svc.roster.idle(svc.peers, now=now + 2.0) == []
-        assert svc.roster.idle(svc.peers, now=now + 6.0) == [quiet.peer_id]
+        assert svc.roster.idle(now=now + 2.0) == []
+        assert svc.roster.idle(now=now + 6.0) == [quiet.peer_id]
 
     trio.run(main)
 
@@ -137,9 +151,18 @@ def test_oversized_listen_addresses_are_refused_at_the_wire() -> None:
     assert len(wire.encode(_join_msg(me, _long_addrs(me.peer_id)))) < 12 * 1024
 
 
-CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 2, "group_size": 2, "staleness": 2, "eval_every": 100000,
-          "steps": 0, "spot_check_fraction": 0.0, "checkpoint_dir": "none", "publish_every": 1,
-          "chunk_cache_mb": 1.0}  # a full chunk cache would hide what the flood costs
+CONFIG = {
+    "prompts_per_step": 4,
+    "prompts_per_lease": 2,
+    "group_size": 2,
+    "staleness": 2,
+    "eval_every": 100000,
+    "steps": 0,
+    "spot_check_fraction": 0.0,
+    "checkpoint_dir": "none",
+    "publish_every": 1,
+    "chunk_cache_mb": 1.0,
+}  # a full chunk cache would hide what the flood costs
 
 
 def _rss_mb(pid: int) -> float:
@@ -194,8 +217,10 @@ def _flood_in_a_process(addr: str, n: int) -> list[str]:
     from swarm import ENV
 
     here = Path(__file__).parent
-    code = (f"import json, sys, trio; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-            f"from test_sybil_flood import flood; print(json.dumps(trio.run(flood, {addr!r}, {n})))")
+    code = (
+        f"import json, sys, trio; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+        f"from test_sybil_flood import flood; print(json.dumps(trio.run(flood, {addr!r}, {n})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -214,12 +239,17 @@ def test_sybil_flood_against_a_real_learner(swarm, tmp_path) -> None:
     # (peer_limit) or, once the address holds 48 connections, at the connection (net/guard.py)
     assert len(codes) == 220 and codes.count("ok") == 31, sorted(set(codes))
     assert codes.count(ErrorCode.PEER_LIMIT.value) > 0 and codes.count("connection_refused") > 0
-    swarm.wait_for(lambda: max(r.get("step", 0) for r in swarm.metrics()) >= start + 4, timeout=240,
-                   what="4 more steps after the flood")
+    swarm.wait_for(
+        lambda: max(r.get("step", 0) for r in swarm.metrics()) >= start + 4,
+        timeout=240,
+        what="4 more steps after the flood",
+    )
     rss_after = _rss_mb(swarm.learner.pid)
     assert rss_after - rss_before < 100.0, (rss_before, rss_after)
     rows = [r for r in swarm.metrics() if r.get("step", 0) > start]
-    assert rows[-1]["joins_refused_ip_cap"] >= codes.count(ErrorCode.PEER_LIMIT.value) > 0  # some replies lost to the close
+    assert (
+        rows[-1]["joins_refused_ip_cap"] >= codes.count(ErrorCode.PEER_LIMIT.value) > 0
+    )  # some replies lost to the close
     assert rows[-1]["connections_refused"] >= codes.count("connection_refused")
     assert max(r.get("broadcast_nodes") or 0 for r in rows) <= 1 + 16  # the worker + at most 16 newcomers
     st = swarm.status()

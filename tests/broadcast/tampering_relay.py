@@ -6,11 +6,13 @@ children (one byte flipped in the chunk's data), on libp2p streams and the direc
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from echorl.broadcast import relay_process
 from echorl.broadcast.relay import Relay
-from echorl.net.transport import Libp2pTransport
+from echorl.broadcast.store import VersionState
+from echorl.net.transport import ChunkStream
 from echorl.protocol import wire
 from echorl.protocol.messages import Chunk
 
@@ -24,16 +26,35 @@ def tampered(body: bytes) -> bytes:
     return wire.encode(Chunk(digest=msg.digest, data=bytes(data)))
 
 
-class TamperingTransport(Libp2pTransport):
-    async def send(self, sink: Any, frame_body: bytes) -> None:
-        await super().send(sink, tampered(frame_body))
+class TamperingStream(ChunkStream):
+    """A chunk stream (libp2p or direct TCP) that alters every frame sent on it."""
+
+    def __init__(self, inner: ChunkStream) -> None:
+        self.inner = inner
+        self.io_timeout = inner.io_timeout
+
+    def frames(self, first_byte_timeout: float, frame_timeout: float | None = None) -> AsyncIterator[bytes]:
+        return self.inner.frames(first_byte_timeout, frame_timeout)
+
+    async def send(self, frame_body: bytes) -> None:
+        await self.inner.send(tampered(frame_body))
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class TamperingRelay(Relay):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        t = self.server.transport
-        self.server.transport = TamperingTransport(t.host, t.protocol, t.limiter, io_timeout=t.io_timeout)
+        serve = self.server.serve_stripe
+
+        async def serve_tampered(stream: ChunkStream, state: VersionState, stripe: int) -> None:
+            await serve(TamperingStream(stream), state, stripe)
+
+        self.server.serve_stripe = serve_tampered  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

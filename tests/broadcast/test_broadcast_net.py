@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import trio
+from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
 from echorl.broadcast.store import plan_of
@@ -22,7 +23,6 @@ from echorl.net.transport import UploadLimiter
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode
 from echorl.protocol.identity import Identity
-from swarm import safetensors_f32
 from echorl.protocol.messages import BroadcastAck, PlanAnnounce, PlanMember
 from echorl.protocol.routes import ANNOUNCE
 
@@ -41,7 +41,12 @@ class Peer:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, *program, "--learner", learner_addr, "--run-id", RUN, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
         self.events: list[dict] = []
         self.ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -54,7 +59,7 @@ class Peer:
                 self.peer_id, self.addrs = ev["peer_id"], ev["addrs"]
                 self.ready.set()
 
-    async def wait_ready(self) -> "Peer":
+    async def wait_ready(self) -> Peer:
         ok = await trio.to_thread.run_sync(self.ready.wait, 60)
         assert ok, "relay peer did not start"
         return self
@@ -90,10 +95,18 @@ async def wait_version(peers: list[Peer], version: int, timeout: float = 30.0) -
 def interior_version(bc: Broadcaster, nodes: list[NodeInfo], who: str, start: int) -> int:
     """The first version >= start whose plan (seed = version) gives ``who`` children."""
     for v in range(start, start + 200):
-        ann = PlanAnnounce(run_id=RUN, learner_peer_id=bc.identity.peer_id, version=v,
-                           manifest=_dummy_manifest(bc.identity, v), shape=bc.shape, fanout=bc.fanout, seed=v,
-                           learner_addrs=[], members=[PlanMember(peer_id=n.peer_id, reachable=True, addrs=[])
-                                                      for n in nodes], created_at=0.0)
+        ann = PlanAnnounce(
+            run_id=RUN,
+            learner_peer_id=bc.identity.peer_id,
+            version=v,
+            manifest=_dummy_manifest(bc.identity, v),
+            shape=bc.shape,
+            fanout=bc.fanout,
+            seed=v,
+            learner_addrs=[],
+            members=[PlanMember(peer_id=n.peer_id, reachable=True, addrs=[]) for n in nodes],
+            created_at=0.0,
+        )
         plan = plan_of(ann)
         if any(plan.children(who, s) for s in range(len(plan.stripes))):
             return v
@@ -119,6 +132,7 @@ def run_learner(body, **bc_kwargs):
             finally:
                 for p in peers:
                     p.stop()
+
     trio.run(main)
 
 
@@ -188,9 +202,21 @@ def test_bad_signatures_are_refused():
         member = [PlanMember(peer_id=node.peer_id, reachable=True, addrs=node.addrs)]
 
         def announce(m, signer=bc.identity):
-            return wire.sign(PlanAnnounce(run_id=RUN, learner_peer_id=signer.peer_id, version=1, manifest=m,
-                                          shape="striped", fanout=2, seed=1, learner_addrs=host.addrs,
-                                          members=member, created_at=time.time()), signer)
+            return wire.sign(
+                PlanAnnounce(
+                    run_id=RUN,
+                    learner_peer_id=signer.peer_id,
+                    version=1,
+                    manifest=m,
+                    shape="striped",
+                    fanout=2,
+                    seed=1,
+                    learner_addrs=host.addrs,
+                    members=member,
+                    created_at=time.time(),
+                ),
+                signer,
+            )
 
         # a manifest whose signature is broken, inside a validly signed announcement
         bad_manifest = manifest.model_copy(update={"signature": bytes(64)})

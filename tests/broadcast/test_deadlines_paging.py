@@ -3,8 +3,10 @@ the chunk server and the broadcaster; catch-up served in pages that a node follo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import trio
+from swarm import safetensors_f32
 
 from echorl.broadcast import chunk_server
 from echorl.broadcast.broadcaster import Broadcaster
@@ -15,9 +17,6 @@ from echorl.net.host import open_host
 from echorl.protocol import snapshot, wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import PlanAnnounce, PlanMember
-from swarm import safetensors_f32
-
-import numpy as np
 
 pytestmark = pytest.mark.timeout(120)
 GB = 1_000_000_000
@@ -53,10 +52,21 @@ def _announce(payload_bytes: int, n_members: int = 6) -> tuple[PlanAnnounce, Ide
     members = [Identity.generate().peer_id for _ in range(n_members)]
     data = safetensors_f32(np.zeros(payload_bytes // 4, dtype=np.float32))
     manifest, _ = snapshot.build_manifest(li, "r", 0, -1, data, data, chunk_bytes=64 * 1024)
-    ann = wire.sign(PlanAnnounce(run_id="r", learner_peer_id=li.peer_id, version=0, manifest=manifest,
-                                 shape="striped", fanout=2, seed=0, learner_addrs=[],
-                                 members=[PlanMember(peer_id=m, reachable=True, addrs=[]) for m in members],
-                                 created_at=0.0), li)
+    ann = wire.sign(
+        PlanAnnounce(
+            run_id="r",
+            learner_peer_id=li.peer_id,
+            version=0,
+            manifest=manifest,
+            shape="striped",
+            fanout=2,
+            seed=0,
+            learner_addrs=[],
+            members=[PlanMember(peer_id=m, reachable=True, addrs=[]) for m in members],
+            created_at=0.0,
+        ),
+        li,
+    )
     return ann, li
 
 
@@ -91,8 +101,14 @@ def test_broadcaster_waits_for_done_in_proportion_to_the_payload():
     async def main():
         li = Identity.generate()
         async with open_host(li) as lh:
-            bc = Broadcaster(lh, li, "r", done_timeout_s=2.0, announce_timeout_s=1.0,
-                             deadlines=Deadlines(base_s=1.0, floor_bps=1 * MB, safety=2.0))
+            bc = Broadcaster(
+                lh,
+                li,
+                "r",
+                done_timeout_s=2.0,
+                announce_timeout_s=1.0,
+                deadlines=Deadlines(base_s=1.0, floor_bps=1 * MB, safety=2.0),
+            )
             ann, _ = _announce(10 * MB)
             m, plan = ann.manifest, plan_of(ann)
             copies = upload_copies(plan)
@@ -102,7 +118,9 @@ def test_broadcaster_waits_for_done_in_proportion_to_the_payload():
             bc.deadlines.meter.add(m.payload_bytes, 0.1)  # fast swarm measured: shorter deadlines
             assert bc.done_deadline(m, plan) < plan.depth + 0.5 * copies
             star = plan_of(ann.model_copy(update={"shape": "star"}))  # the learner uploads 6 copies
-            assert upload_copies(star) == 6 and bc.done_deadline(m, star) > 5 * bc.done_deadline(m, plan) - 5 * plan.depth
+            assert (
+                upload_copies(star) == 6 and bc.done_deadline(m, star) > 5 * bc.done_deadline(m, plan) - 5 * plan.depth
+            )
 
     trio.run(main)
 

@@ -117,17 +117,36 @@ def test_a_version_larger_than_the_cache_moves_through_relays_and_verifies(tmp_p
     async def main():
         li = Identity.generate()
         async with open_host(li) as lh, open_host(Identity.generate()) as h1, open_host(Identity.generate()) as h2:
-            bc = Broadcaster(lh, li, "r", fanout=1, shape="tree", chunk_bytes=64 * 1024, full_every=10,
-                             direct=False, cache_bytes=cache, store_dir=tmp_path / "learner")
+            bc = Broadcaster(
+                lh,
+                li,
+                "r",
+                fanout=1,
+                shape="tree",
+                chunk_bytes=64 * 1024,
+                full_every=10,
+                direct=False,
+                cache_bytes=cache,
+                store_dir=tmp_path / "learner",
+            )
             bc.install()
             got: dict[str, list[tuple[int, str]]] = {h1.peer_id: [], h2.peer_id: []}
             relays = []
             async with trio.open_nursery() as nursery:
                 for i, h in enumerate((h1, h2)):
+
                     def cb(v, path, pid=h.peer_id):
                         got[pid].append((v, hashlib.sha256(path.read_bytes()).hexdigest()))
-                    r = Relay(h, li.peer_id, "r", on_version=cb, direct=False, cache_bytes=cache,
-                              store_dir=tmp_path / f"relay{i}")
+
+                    r = Relay(
+                        h,
+                        li.peer_id,
+                        "r",
+                        on_version=cb,
+                        direct=False,
+                        cache_bytes=cache,
+                        store_dir=tmp_path / f"relay{i}",
+                    )
                     r.install()
                     nursery.start_soon(r.run)
                     relays.append(r)

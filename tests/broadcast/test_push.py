@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 import numpy as np
 import pytest
 import trio
+from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
 from echorl.broadcast.relay import Relay
@@ -18,7 +19,6 @@ from echorl.net.transport import UploadLimiter
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Subscribe
 from echorl.protocol.routes import PUSH
-from swarm import safetensors_f32
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,8 +30,16 @@ async def _lab(n_pub: int, n_nat: int, direct: bool, check) -> None:
         async with AsyncExitStack() as stack:
             for _ in range(n_pub + n_nat):
                 hosts.append(await stack.enter_async_context(open_host(Identity.generate())))
-            bc = Broadcaster(lh, li, "r", fanout=2, chunk_bytes=16 * 1024, full_every=1, direct=direct,
-                             upload_limit=UploadLimiter.from_mbps(400))
+            bc = Broadcaster(
+                lh,
+                li,
+                "r",
+                fanout=2,
+                chunk_bytes=16 * 1024,
+                full_every=1,
+                direct=direct,
+                upload_limit=UploadLimiter.from_mbps(400),
+            )
             bc.install()
             async with trio.open_nursery() as nursery:
                 await nursery.start(bc.run)
@@ -68,8 +76,10 @@ def test_unreachable_nodes_push_their_stripes_to_reachable_children(direct):
         assert all(plan.upload_copies(p) > 0 for p in nat)  # the plan uses their uplinks
         pushers = [r for r, n in zip(relays, nodes) if not n.reachable]
         assert all(r.pusher.pushed_streams > 0 for r in pushers)
-        assert sum(r.pusher.pushed_streams for r in relays) == sum(
-            1 for s in plan.stripes for p, cs in s.children.items() for c in cs if plan.pushed(p, c)) * 2
+        assert (
+            sum(r.pusher.pushed_streams for r in relays)
+            == sum(1 for s in plan.stripes for p, cs in s.children.items() for c in cs if plan.pushed(p, c)) * 2
+        )
 
     trio.run(_lab, 2, 2, direct, check)
 
@@ -85,10 +95,12 @@ def test_push_ticket_only_for_the_plan_parent_on_a_pushed_edge():
         await hosts[other].connect(hosts[reachable].addrs[0])
         for stripe in (0, 1):  # other is reachable: never a pushing parent
             with pytest.raises(RemoteError):
-                await hosts[other].request(hosts[reachable].peer_id, PUSH,
-                                           Subscribe(run_id="r", version=1, stripe=stripe), timeout=10)
+                await hosts[other].request(
+                    hosts[reachable].peer_id, PUSH, Subscribe(run_id="r", version=1, stripe=stripe), timeout=10
+                )
         with pytest.raises(RemoteError):  # no such version: refused after the announce wait
-            await hosts[other].request(hosts[reachable].peer_id, PUSH,
-                                       Subscribe(run_id="other", version=1, stripe=0), timeout=10)
+            await hosts[other].request(
+                hosts[reachable].peer_id, PUSH, Subscribe(run_id="other", version=1, stripe=0), timeout=10
+            )
 
     trio.run(_lab, 2, 2, True, check)

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from plans import share_a_plan
+from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster
 from echorl.broadcast.relay import Relay
@@ -18,7 +20,6 @@ from echorl.broadcast.store import HeldChain
 from echorl.net.host import open_host
 from echorl.protocol import delta, snapshot
 from echorl.protocol.identity import Identity
-from swarm import safetensors_f32
 
 pytestmark = pytest.mark.timeout(90)
 CHUNK = 64 * 1024
@@ -36,6 +37,7 @@ def test_learner_holds_a_published_version_once():
     snapshot's size plus framing, and the process keeps ~1x the bytes (the removed double path
     kept chunks, frame bodies and the fallback store's chunks: ~3x). A delta after it leaves no
     version's bytes in memory: its result is a file, the next delta's base."""
+
     async def main():
         li = Identity.generate()
         async with open_host(li) as lh:
@@ -87,8 +89,16 @@ def _chain_of(kinds: str, retain: int, where: Path) -> tuple[HeldChain, list[byt
         new = weights(v, n=20_000)
         payload = new if kind == "f" else delta.encode_delta(files[-1], new)
         manifest, chunks = snapshot.build_manifest(
-            learner, "r", v, v - 1, payload, new, kind="full" if kind == "f" else "delta",
-            base_version=-1 if kind == "f" else v - 1, chunk_bytes=4096)
+            learner,
+            "r",
+            v,
+            v - 1,
+            payload,
+            new,
+            kind="full" if kind == "f" else "delta",
+            base_version=-1 if kind == "f" else v - 1,
+            chunk_bytes=4096,
+        )
         path = where / f"v{v}-{retain}.payload"
         path.write_bytes(payload)
         chain.hold(manifest, path)
@@ -115,6 +125,7 @@ def test_catch_up_and_direct_fetch_come_from_the_learners_one_store():
     """A node with nothing catches up from the learner alone (the direct fetch: newest full
     snapshot + delta) and a second node catches up from the first; the learner's store did not
     grow for serving them."""
+
     async def main():
         li = Identity.generate()
         async with open_host(li) as lh, open_host(Identity.generate()) as ha, open_host(Identity.generate()) as hb:
@@ -131,6 +142,7 @@ def test_catch_up_and_direct_fetch_come_from_the_learners_one_store():
             await ha.connect(lh.addrs[0])
             assert await a.catch_up([li.peer_id], timeout=30, only=True) == 2
             assert a.result == weights(2) and got["a"] == [2]
+            share_a_plan(a, li, hb.peer_id)  # a node serves the members of its plans only
             await hb.connect(ha.addrs[0])
             assert await b.catch_up([ha.peer_id], timeout=30, only=True) == 2
             assert b.result == weights(2)
@@ -149,13 +161,17 @@ def test_a_dead_process_s_temporary_store_is_removed_a_live_or_recent_one_kept(t
 
     from echorl.broadcast.store import STALE_TMP_STORE_S, remove_stale_tmp_stores
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     old = time.time() - STALE_TMP_STORE_S - 60
     made = {}
-    for name, pid, mtime in (("dead-old", dead_pid, old), ("dead-recent", dead_pid, time.time()),
-                             ("live-old", os.getppid(), old)):
+    for name, pid, mtime in (
+        ("dead-old", dead_pid, old),
+        ("dead-recent", dead_pid, time.time()),
+        ("live-old", os.getppid(), old),
+    ):
         d = tmp_path / f"echorl-store-{pid}-{name}"
         d.mkdir()
         (d / "v1-0.payload").write_bytes(b"x" * 1024)

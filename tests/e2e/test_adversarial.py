@@ -1,5 +1,6 @@
 """A foreign peer attacks a real learner process: garbage bytes (before joining: refused unread),
-an oversized frame, a forged signature, a submission signed by another key, a replay, a stale version, a stale join. Each is
+an oversized frame, a forged signature, a submission signed by another key, a replay, a stale
+version, a stale join. Each is
 refused with its error code, the learner stays up, and the accepted count does not change."""
 
 from __future__ import annotations
@@ -14,29 +15,48 @@ import time
 
 import trio
 from libp2p.peer.id import ID
+from swarm import ENV, remote_code, signed_submit
 
-from echorl.protocol import routes
 from echorl.net.framing import read_frame
 from echorl.net.host import open_host
 from echorl.node.receipts import check
-from echorl.protocol import wire
+from echorl.protocol import routes, wire
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
-    Capability, JoinAccepted, JoinRequest, Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest, SubmitAccepted,
+    Capability,
+    JoinAccepted,
+    JoinRequest,
+    Lease,
+    LeaseDeferred,
+    LeaseRequest,
+    Status,
+    StatusRequest,
+    SubmitAccepted,
 )
-
-from swarm import ENV, remote_code, signed_submit
-
 
 # spot checks off: the one "genuine" submission here carries fabricated log-probs and must be
 # accepted (log-prob spot checks are tested in test_net_spot_check.py)
-CONFIG = {"prompts_per_step": 4, "prompts_per_lease": 4, "group_size": 2, "staleness": 0, "eval_every": 100000,
-          "steps": 0, "spot_check_fraction": 0.0}
+CONFIG = {
+    "prompts_per_step": 4,
+    "prompts_per_lease": 4,
+    "group_size": 2,
+    "staleness": 0,
+    "eval_every": 100000,
+    "steps": 0,
+    "spot_check_fraction": 0.0,
+}
 
 
 def _cap(addr: str) -> Capability:
-    return Capability(engine="torch", device="cpu", memory_bytes=1, tokens_per_s=1.0, price_per_hour=0.0,
-                      reachable=True, listen_addrs=[addr])
+    return Capability(
+        engine="torch",
+        device="cpu",
+        memory_bytes=1,
+        tokens_per_s=1.0,
+        price_per_hour=0.0,
+        reachable=True,
+        listen_addrs=[addr],
+    )
 
 
 async def _raw(host, peer: str, protocol: str, payload: bytes) -> str:
@@ -48,9 +68,12 @@ async def _raw(host, peer: str, protocol: str, payload: bytes) -> str:
 
 async def _lease(host, learner: str, version: int) -> Lease:
     for _ in range(200):
-        reply = await host.request(learner, routes.LEASE,
-                                   LeaseRequest(run_id="echorl-demo", version=version, max_prompts=4),
-                                   expect=(Lease, LeaseDeferred))
+        reply = await host.request(
+            learner,
+            routes.LEASE,
+            LeaseRequest(run_id="echorl-demo", version=version, max_prompts=4),
+            expect=(Lease, LeaseDeferred),
+        )
         if isinstance(reply, Lease):
             return reply
         # "paced", or the version is trained but its publication has not begun (the learner
@@ -65,12 +88,18 @@ async def attack(addr: str) -> dict:
     out: dict = {}
     async with open_host(me) as host:
         learner = await host.connect(addr)
-        req = lambda proto, msg, **kw: host.request(learner, proto, msg, **kw)  # noqa: E731
-        status = lambda: req(routes.STATUS, StatusRequest(), expect=Status)  # noqa: E731
+        req = lambda proto, msg, **kw: host.request(learner, proto, msg, **kw)
+        status = lambda: req(routes.STATUS, StatusRequest(), expect=Status)
         out["garbage"] = await _raw(host, learner, routes.SUBMIT, struct.pack(">I", 6) + b"\xc1garbg")
         out["oversized"] = await _raw(host, learner, routes.JOIN, struct.pack(">I", 10_000_000) + b"x" * 64)
-        join = JoinRequest(run_id="echorl-demo", peer_id=me.peer_id, capability=_cap(host.addrs[0]), version=-1,
-                           timestamp=time.time(), nonce=secrets.token_bytes(16))
+        join = JoinRequest(
+            run_id="echorl-demo",
+            peer_id=me.peer_id,
+            capability=_cap(host.addrs[0]),
+            version=-1,
+            timestamp=time.time(),
+            nonce=secrets.token_bytes(16),
+        )
         old = join.model_copy(update={"timestamp": time.time() - 3600, "nonce": secrets.token_bytes(16)})
         out["stale_join"] = await remote_code(req(routes.JOIN, wire.sign(old, me)))
         out["forged_join"] = await remote_code(req(routes.JOIN, join.model_copy(update={"signature": b"\x01" * 64})))
@@ -80,7 +109,7 @@ async def attack(addr: str) -> dict:
         out["replayed_join"] = await remote_code(req(routes.JOIN, signed_join))
 
         lease = await _lease(host, learner, 0)
-        good = signed_submit(me, lease, 0)
+        good = signed_submit(me, lease, 0, vary=True)  # distinct samples: paid (all-duplicate groups are not)
         before = (await status()).learner
         out["forged"] = await remote_code(req(routes.SUBMIT, good.model_copy(update={"signature": b"\x02" * 64})))
         tampered = good.model_copy(update={"behaviour_version": 0, "generate_seconds": 9.0})
@@ -132,8 +161,13 @@ def test_foreign_peer_attacks_are_refused(swarm, tmp_path):
     assert (me["rejected_bad_signature"], me["rejected_wrong_signer"], me["rejected_replay"]) == (2, 1, 2)
     assert me["rejected_stale_version"] == 1 and me["submissions_rejected"] == 6
     assert me["top_rejection"] == "bad_signature" and me["groups_accepted_total"] == out["receipt_groups"] == 4
-    table = subprocess.run([sys.executable, "-m", "echorl.cli", "status", "--bootstrap", addr],
-                           env={**ENV, "COLUMNS": "120"}, capture_output=True, text=True, timeout=60)
+    table = subprocess.run(
+        [sys.executable, "-m", "echorl.cli", "status", "--bootstrap", addr],
+        env={**ENV, "COLUMNS": "120"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert table.returncode == 0 and "bad_signature" in table.stdout, table.stderr
     print(table.stdout)
     assert swarm.learner.poll() is None  # still up

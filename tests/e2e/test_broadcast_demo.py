@@ -18,7 +18,9 @@ def _steps(swarm: Swarm) -> list[dict]:
 
 def test_versions_arrive_by_broadcast_delta_and_full(swarm):
     # κ = S − 1 = 3: versions 0 (full), 3, 6 (deltas), 9 (full: every 3rd publication), ...
-    swarm.start_learner("--steps", "24", "--staleness", "4", "--full-every", "3", "--eval-every", "1000")
+    swarm.start_learner(
+        "--steps", "24", "--staleness", "4", "--full-every", "3", "--eval-every", "1000", "--log-level", "debug"
+    )
     nodes = [swarm.start_node("a"), swarm.start_node("b")]
     swarm.wait_for(lambda: swarm.learner.poll() is not None, what="learner to finish", timeout=150)
     assert swarm.learner.returncode == 0
@@ -38,8 +40,9 @@ def test_versions_arrive_by_broadcast_delta_and_full(swarm):
         n.send_signal(signal.SIGTERM)
     for i, n in enumerate(nodes):
         assert n.wait(timeout=30) == 0
-        loads = re.search(r"versions loaded: \{'relay': (\d+), 'fetch': (\d+)\}",
-                          (swarm.tmp / f"{'ab'[i]}.log").read_text())
+        loads = re.search(
+            r"versions loaded: \{'relay': (\d+), 'fetch': (\d+)\}", (swarm.tmp / f"{'ab'[i]}.log").read_text()
+        )
         assert loads and int(loads.group(1)) >= 3, "versions came through the relay"
 
 
@@ -67,10 +70,13 @@ def test_sigterm_checkpoints_and_resume_continues(swarm, tmp_path):
     # resumed on another port: the nodes only know the old bootstrap address, so the learner
     # dials the nodes its checkpoint remembers and they re-join over that connection
     old_addr = swarm.addr
-    assert swarm.start_learner("--steps", str(v1 + 8), "--resume", *common, log="learner2.log") != old_addr
+    assert (
+        swarm.start_learner("--steps", str(v1 + 8), "--resume", *common, "--log-level", "debug", log="learner2.log")
+        != old_addr
+    )
     swarm.wait_for(lambda: swarm.learner.poll() is not None, what="resumed learner to finish", timeout=120)
     assert swarm.learner.returncode == 0
-    second = _steps(swarm)[len(first):]
+    second = _steps(swarm)[len(first) :]
     assert [r["version"] for r in second] == list(range(v1 + 1, v1 + 9))  # versions continue
     assert second[-1]["prompts_trained_twice"] == 0  # across both runs (ids kept in the checkpoint)
     log2 = swarm.learner_log.read_text()

@@ -8,23 +8,27 @@ import sys
 import time
 
 import pytest
+from swarm import ENV
 
 from echorl.protocol.identity import Identity
-from swarm import ENV
 
 PID = Identity.generate().peer_id
 
 
 def echorl(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "echorl.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "echorl.cli", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("cmd", ["node", "status"])
-@pytest.mark.parametrize("addr, words", [
-    ("garbage", "is not a multiaddr"),
-    ("/ip4/127.0.0.1/tcp/4001", "has no /p2p/"),
-])
+@pytest.mark.parametrize(
+    "addr, words",
+    [
+        ("garbage", "is not a multiaddr"),
+        ("/ip4/127.0.0.1/tcp/4001", "has no /p2p/"),
+    ],
+)
 def test_bad_bootstrap_is_one_line_before_any_model_loads(tmp_path, cmd, addr, words):
     extra = ["--key", str(tmp_path / "k")] if cmd == "node" else []
     t0 = time.monotonic()
@@ -50,8 +54,16 @@ def test_node_says_why_and_gives_up(tmp_path):
     with socket.socket() as s:  # bound, not listening: connections are refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        out = echorl("node", "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{PID}", "--key", str(tmp_path / "k"),
-                     "--give-up-after", "4", timeout=240)
+        out = echorl(
+            "node",
+            "--bootstrap",
+            f"/ip4/127.0.0.1/tcp/{port}/p2p/{PID}",
+            "--key",
+            str(tmp_path / "k"),
+            "--give-up-after",
+            "4",
+            timeout=240,
+        )
     assert out.returncode == 1, out.stderr[-2000:]
     assert "connection refused" in out.stderr and "retrying in" in out.stderr
     assert "gave up: no answer from the learner" in out.stderr
@@ -90,7 +102,16 @@ def test_doctor_checks_a_live_learner_and_explains_a_dead_one(swarm, tmp_path):
     assert rows["key"]["status"] == "fail" and "chmod 600" in rows["key"]["detail"]
     assert out.returncode == 1 and report["ok"] is False  # only because of the key's mode
     assert [r["check"] for r in report["checks"] if r["status"] == "fail"] == ["key"]
+    assert rows["reachability"]["status"] == "pass", rows["reachability"]  # not "behind NAT" on one machine
+    assert rows["reachability"]["detail"] == "same machine as the learner: it dialled us back at 127.0.0.1"
+    time.sleep(10)  # past the learner's liveness sweep (3 s + a 3 s ping): the doctor is gone by now
+    assert swarm.status()["peers"] == []  # the doctor's probe is not a node ...
+    ledger = echorl("ledger", "--bootstrap", addr, "--json")
+    assert ledger.returncode == 0 and json.loads(ledger.stdout)["rows"] == [], ledger.stdout
     swarm.stop()
+    log = swarm.learner_log.read_text()
+    assert " WARNING " not in log, log[-3000:]  # ... so no warning that it went quiet
+    assert "nodes: none" in log, log[-3000:]  # nor a phantom in the summary (its cost integration)
     dead = echorl("doctor", "--bootstrap", addr, "--key", str(tmp_path / "k"), "--json", timeout=120)
     rows = {r["check"]: r for r in json.loads(dead.stdout)["checks"]}
     assert dead.returncode == 1 and rows["dial"]["status"] == "fail" and "refused" in rows["dial"]["detail"]

@@ -34,8 +34,13 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "echorl.cli", *args], env={**ENV, "COLUMNS": "120"},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "echorl.cli", *args],
+        env={**ENV, "COLUMNS": "120"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _credited(swarm, addr: str, nodes: dict, receipts: dict) -> tuple[dict, dict]:
@@ -47,13 +52,17 @@ def _credited(swarm, addr: str, nodes: dict, receipts: dict) -> tuple[dict, dict
         try:
             time.sleep(1.5)
             peers = {p["peer_id"]: p for p in learner_status(addr)["peers"]}
-            mine = {name: sum(r.groups for r in verify_file(path).receipts) if path.exists() else 0
-                    for name, path in receipts.items()}
+            mine = {
+                name: sum(r.groups for r in verify_file(path).receipts) if path.exists() else 0
+                for name, path in receipts.items()
+            }
         finally:
             for p in nodes.values():
                 p.send_signal(signal.SIGCONT)
-        ids = {name: next(iter({r.peer_id for r in verify_file(path).receipts}), None) if path.exists() else None
-               for name, path in receipts.items()}
+        ids = {
+            name: next(iter({r.peer_id for r in verify_file(path).receipts}), None) if path.exists() else None
+            for name, path in receipts.items()
+        }
         theirs = {name: peers[pid]["groups_accepted_total"] if pid in peers else None for name, pid in ids.items()}
         if theirs == mine and all(mine.values()):
             return theirs, mine
@@ -63,24 +72,41 @@ def _credited(swarm, addr: str, nodes: dict, receipts: dict) -> tuple[dict, dict
 
 def test_metrics_receipts_ledger_status_and_plot(swarm, tmp_path):
     lport, nport = _free_port(), _free_port()
-    addr = swarm.start_learner("--steps", "0", "--staleness", "2", "--eval-every", "5", "--metrics-port", str(lport),
-                               "--price-per-hour", "1.5")
+    addr = swarm.start_learner(
+        "--steps", "0", "--staleness", "2", "--eval-every", "5", "--metrics-port", str(lport), "--price-per-hour", "1.5"
+    )
     learner_id = addr.rsplit("/", 1)[-1]
     receipts = {name: tmp_path / f"{name}.receipts.jsonl" for name in ("a", "b")}
-    nodes = {"a": swarm.start_node("a", "--price-per-hour", "0.2", "--metrics-port", str(nport),
-                                   "--receipts", str(receipts["a"])),
-             "b": swarm.start_node("b", "--price-per-hour", "0.4", "--receipts", str(receipts["b"]))}
+    nodes = {
+        "a": swarm.start_node(
+            "a", "--price-per-hour", "0.2", "--metrics-port", str(nport), "--receipts", str(receipts["a"])
+        ),
+        "b": swarm.start_node("b", "--price-per-hour", "0.4", "--receipts", str(receipts["b"])),
+    }
     swarm.wait_for(lambda: any(r.get("step", 0) >= 3 for r in swarm.metrics()), what="3 steps", timeout=180)
     first = _scrape(lport)
-    swarm.wait_for(lambda: max(r["step"] for r in swarm.metrics()) >= first["echorl_learner_step"] + 3,
-                   what="3 more steps")
+    swarm.wait_for(
+        lambda: max(r["step"] for r in swarm.metrics()) >= first["echorl_learner_step"] + 3, what="3 more steps"
+    )
     second = _scrape(lport)
-    for name in ("echorl_learner_step", "echorl_rollouts_accepted_total", "echorl_learner_elapsed_seconds",
-                 'echorl_cost_total{part="learner"}', 'echorl_cost_total{part="nodes"}'):
+    for name in (
+        "echorl_learner_step",
+        "echorl_rollouts_accepted_total",
+        "echorl_learner_elapsed_seconds",
+        'echorl_cost_total{part="learner"}',
+        'echorl_cost_total{part="nodes"}',
+    ):
         assert second[name] > first[name], name
-    for name in ("echorl_staleness_max", "echorl_learner_busy_fraction", "echorl_learner_eval_reward",
-                 "echorl_signatures_verified_total", "echorl_receipts_issued_total", "echorl_nodes_active",
-                 "echorl_cost_per_step", "echorl_cost_per_1k_rollouts"):
+    for name in (
+        "echorl_staleness_max",
+        "echorl_learner_busy_fraction",
+        "echorl_learner_eval_reward",
+        "echorl_signatures_verified_total",
+        "echorl_receipts_issued_total",
+        "echorl_nodes_active",
+        "echorl_cost_per_step",
+        "echorl_cost_per_1k_rollouts",
+    ):
         assert name in second, name
     assert second["echorl_nodes_active"] == 2
     per_node = [k for k in second if k.startswith("echorl_node_groups_generated_total{peer=")]
@@ -92,8 +118,16 @@ def test_metrics_receipts_ledger_status_and_plot(swarm, tmp_path):
     theirs, mine = _credited(swarm, addr, nodes, receipts)
     assert theirs == mine
 
-    res = _cli("ledger", "--receipts", *map(str, receipts.values()), "--learner-id", learner_id, "--json",
-               "--csv", str(tmp_path / "ledger.csv"))
+    res = _cli(
+        "ledger",
+        "--receipts",
+        *map(str, receipts.values()),
+        "--learner-id",
+        learner_id,
+        "--json",
+        "--csv",
+        str(tmp_path / "ledger.csv"),
+    )
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)["rows"]
     assert len(rows) == 2 and all(r["groups_accepted"] >= mine[n] for r, n in zip(rows, ("a", "b")))

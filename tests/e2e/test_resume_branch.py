@@ -40,8 +40,11 @@ def test_node_of_an_abandoned_branch_drops_it_and_catches_up(swarm, tmp_path):
     log2 = swarm.learner_log.read_text()
     incarnation = re.search(r"learner incarnation ([0-9a-f]{32})", log2).group(1)
     swarm.start_node("b")  # trains the new branch past the abandoned branch's version numbers
-    swarm.wait_for(lambda: _max(swarm, "broadcast_version", rows_before) >= held,
-                   what=f"the new branch to publish v{held}", timeout=180)
+    swarm.wait_for(
+        lambda: _max(swarm, "broadcast_version", rows_before) >= held,
+        what=f"the new branch to publish v{held}",
+        timeout=180,
+    )
     swarm.start_node("a", *node_args, log="a2.log")  # restarted with the abandoned branch's v{held} on disk
     me = load_or_create_identity(str(tmp_path / "a.key")).peer_id
 

@@ -3,16 +3,16 @@ and its prompts are re-leased; nothing is counted twice; status lists everyone."
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
 import trio
 
-from echorl.protocol import routes
 from echorl.net.host import open_host
-from echorl.protocol.identity import Identity
+from echorl.protocol import routes
+from echorl.protocol.identity import Identity, short_id
 from echorl.protocol.messages import Status, StatusRequest
-
 
 
 async def _learner_status(addr: str) -> dict:
@@ -36,6 +36,10 @@ def test_two_nodes_train_and_status_lists_everyone(swarm):
     assert set(status["dht_nodes"]) == node_ids
     swarm.wait_for(lambda: swarm.learner.poll() is not None, what="learner to finish")
     assert swarm.learner.returncode == 0
+    log = swarm.learner_log.read_text()
+    # per-broadcast and per-step lines are DEBUG; INFO has the 10 s progress line and each newcomer once
+    assert "INFO broadcast v" not in log and not re.search(r"INFO step \d+: reward", log)
+    assert all(log.count(f"INFO joined: {short_id(p)}") == 1 for p in node_ids), log
     rows = [r for r in swarm.metrics() if r["step"] > 0]
     last = rows[-1]
     assert last["step"] == 25 and last["staleness_max"] <= 1 and last["prompts_trained_twice"] == 0

@@ -2,7 +2,6 @@
 test is skipped, with the reason, where namespaces cannot be made (not root, no ip/tc/nft)."""
 
 import pytest
-
 from netlab import Lab, unavailable
 
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from netlab import PREFIX, Lab, lab_namespaces, unavailable
 from swarm import ENV
 
@@ -29,8 +28,9 @@ def test_second_nat_has_its_own_lan_and_public_address_and_is_torn_down():
         assert (first.ip, second.ip) == ("198.18.1.2", "198.18.2.2")
         route = lab.run(second, ["ip", "route", "show", "default"]).stdout
         assert "via 198.18.2.1" in route
-        public = subprocess.run(["ip", "-n", lab._nat_ns[1], "-o", "addr", "show", "eth0"], capture_output=True,
-                                text=True).stdout
+        public = subprocess.run(
+            ["ip", "-n", lab._nat_ns[1], "-o", "addr", "show", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "198.18.0.253/24" in public
         with pytest.raises(ValueError):
             lab.add_peer("c", nat=True, nat_index=2)
@@ -45,8 +45,13 @@ def test_dcutr_experiment_reports_its_outcome_and_leaves_nothing():
     """Silent NATs (the setting where hole punching can work): B is reached through the relay,
     DCUtR is attempted, and a direct_ok claim is backed by a non-circuit connection to NAT 1's
     public address; the outcome itself is what the lab measured, reported either way."""
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--json", "--nat", "silent"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH), "--json", "--nat", "silent"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
     stdout, _ = proc.communicate(timeout=58)
     assert proc.returncode == 0, stdout[-2000:]
     result = json.loads(stdout.strip().splitlines()[-1])

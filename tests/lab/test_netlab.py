@@ -33,15 +33,47 @@ def test_public_and_natted_nodes_train_across_namespaces(lab: Lab, tmp_path):
     nodes = [lab.add_peer("pub-1"), lab.add_peer("nat-1", nat=True), lab.add_peer("nat-2", nat=True)]
     watcher = lab.add_peer("status")
     addr_file, llog = tmp_path / "addr", tmp_path / "learner.log"
-    lp = lab.spawn(learner, echorl("learner", "--listen", "/ip4/0.0.0.0/tcp/4001", "--addr-file", str(addr_file),
-                                   "--steps", str(STEPS), "--staleness", "2", "--eval-every", "100",
-                                   "--lease-timeout", "60"), llog, env=ENV)
+    lp = lab.spawn(
+        learner,
+        echorl(
+            "learner",
+            "--listen",
+            "/ip4/0.0.0.0/tcp/4001",
+            "--addr-file",
+            str(addr_file),
+            "--steps",
+            str(STEPS),
+            "--staleness",
+            "2",
+            "--eval-every",
+            "100",
+            "--lease-timeout",
+            "60",
+        ),
+        llog,
+        env=ENV,
+    )
     addr = _wait_file(addr_file, lp, llog)
     assert addr.startswith(f"/ip4/{learner.ip}/tcp/4001/p2p/"), addr  # a real interface, not 0.0.0.0
-    procs = {n.name: lab.spawn(n, echorl("node", "--bootstrap", addr, "--key", str(tmp_path / f"{n.name}.key"),
-                                         "--listen", "/ip4/0.0.0.0/tcp/0", "--give-up-after", "120"),
-                               tmp_path / f"{n.name}.log", env=ENV)
-             for n in nodes}
+    procs = {
+        n.name: lab.spawn(
+            n,
+            echorl(
+                "node",
+                "--bootstrap",
+                addr,
+                "--key",
+                str(tmp_path / f"{n.name}.key"),
+                "--listen",
+                "/ip4/0.0.0.0/tcp/0",
+                "--give-up-after",
+                "120",
+            ),
+            tmp_path / f"{n.name}.log",
+            env=ENV,
+        )
+        for n in nodes
+    }
     deadline = time.monotonic() + 240
     status = {}
     while time.monotonic() < deadline:  # every node joined and at work
@@ -74,6 +106,7 @@ def test_lab_leaves_nothing_behind():
     why = unavailable()
     if why:
         import pytest
+
         pytest.skip(f"network lab unavailable: {why}")
     lab = Lab(uplink_mbps=10)
     lab.add_peer("learner")
@@ -95,16 +128,36 @@ def test_doctor_tells_a_public_node_from_a_natted_one(lab: Lab, tmp_path):
     learner = lab.add_peer("learner")
     public, natted = lab.add_peer("pub-1"), lab.add_peer("nat-1", nat=True)
     addr_file, llog = tmp_path / "addr", tmp_path / "learner.log"
-    lp = lab.spawn(learner, echorl("learner", "--listen", "/ip4/0.0.0.0/tcp/4001", "--addr-file", str(addr_file),
-                                   "--steps", "0", "--checkpoint-dir", "none"), llog, env=ENV)
+    lp = lab.spawn(
+        learner,
+        echorl(
+            "learner",
+            "--listen",
+            "/ip4/0.0.0.0/tcp/4001",
+            "--addr-file",
+            str(addr_file),
+            "--steps",
+            "0",
+            "--checkpoint-dir",
+            "none",
+        ),
+        llog,
+        env=ENV,
+    )
     addr = _wait_file(addr_file, lp, llog)
     rows = {}
     for peer in (public, natted):
-        out = lab.run(peer, echorl("doctor", "--bootstrap", addr, "--key", str(tmp_path / "k"),
-                                   "--download-seconds", "1", "--json"), timeout=180, env=ENV)
+        out = lab.run(
+            peer,
+            echorl("doctor", "--bootstrap", addr, "--key", str(tmp_path / "k"), "--download-seconds", "1", "--json"),
+            timeout=180,
+            env=ENV,
+        )
         rows[peer.name] = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
     pub, nat = rows["pub-1"]["reachability"], rows["nat-1"]["reachability"]
     assert pub["status"] == "pass" and f"dialled us back at {public.ip}" in pub["detail"], pub
+    assert "no NAT between us" in pub["detail"], pub  # told from a NAT'd node: it sees our own address
     assert nat["status"] == "warn" and "not directly reachable" in nat["detail"], nat
+    assert "not an address of this machine: behind NAT" in nat["detail"], nat
     assert "seen as /ip4/198.18.0.254/" in nat["detail"], nat
     assert rows["nat-1"]["dial"]["status"] == "pass" and rows["nat-1"]["run"]["status"] == "pass"

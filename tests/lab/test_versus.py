@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from netlab import unavailable
 from swarm import ENV
 
@@ -22,9 +21,24 @@ def versus(*args: str, timeout: float = 400) -> list[dict]:
     why = unavailable()
     if why:
         pytest.skip(f"network lab unavailable: {why}")
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "versus.py"), "--nodes", "3", "--size-mb", "1",
-                          "--uplink-mbps", "100", "--json", *args], capture_output=True, text=True, env=ENV,
-                         timeout=timeout)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "versus.py"),
+            "--nodes",
+            "3",
+            "--size-mb",
+            "1",
+            "--uplink-mbps",
+            "100",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -37,7 +51,7 @@ def need(module: str) -> None:
 def assert_all_verified(rows: list[dict], systems: set[str]) -> None:
     assert {r["system"] for r in rows} == systems, rows
     for r in rows:
-        assert FIELDS <= set(r), r
+        assert set(r) >= FIELDS, r
         assert r["receivers_verified"] == 3 and r["bad_digests"] == 0, r
         assert 0 < r["p50_seconds"] <= r["seconds"], r
         assert r["lower_bound_seconds"] == pytest.approx(1.0 * 2**20 * 8 / 100e6, rel=0.01), r

@@ -4,9 +4,12 @@ over time joined, and the learner-only estimate (learner/ledger.py)."""
 from __future__ import annotations
 
 import pytest
+import trio
+from swarm import capability
 
-from echorl.learner import ledger as ledger_mod
+from echorl.learner import peers as peers_mod
 from echorl.learner.ledger import Ledger
+from echorl.learner.peers import PeerRecord
 from echorl.protocol.identity import Identity, short_id
 
 A, B = Identity.generate().peer_id, Identity.generate().peer_id
@@ -27,15 +30,20 @@ def test_counts_and_top_rejection() -> None:
 
 
 def test_cost_split_per_step_per_1k_and_estimate() -> None:
-    led = Ledger(Identity.generate(), "run-1", price_per_hour=2.0, started=0.0)
-    led.tick([(A, 1.0, True), (B, 3.0, True)], now=0.0)
-    led.tick([(A, 1.0, True), (B, 3.0, False)], now=1800.0)  # B found dead: its last 30 min not billed
-    led.tick([(A, 1.0, True), (B, 3.0, False)], now=3600.0)
-    assert led.accounts[A].cost == pytest.approx(1.0) and led.accounts[B].cost == 0.0
+    rate = [0.0]  # the learner's measured generation rate (its evaluation's), read when asked
+    led = Ledger(Identity.generate(), "run-1", price_per_hour=2.0, started=0.0, learner_rate=lambda: rate[0])
+    led.tick([(A, True), (B, True)], now=0.0)
+    led.tick([(A, True), (B, False)], now=1800.0)  # B found dead: its time not counted
+    led.tick([(A, True), (B, False)], now=3600.0)
+    assert (led.accounts[A].joined_s, led.accounts[B].joined_s) == (3600.0, 0.0)
+    assert led.accounts[A].cost == 0.0 == led.accounts[B].cost  # time joined is not billed: work is
+    led.accounts[A].bill(3600.0, 1.0)  # an hour of accepted work at 1.0 an hour
     for _ in range(4):
         led.accept(A, "L", 8, 8, 64, 0, 1)
-    assert led.cost(steps=10, rollouts_accepted=32, group_size=8, now=3600.0)["cost_rollouts_on_learner_estimate"] is None
-    led.gen_samples_per_s = 256.0 / 3600.0  # the learner would need 1 h for 32 groups × 8 samples
+    assert (
+        led.cost(steps=10, rollouts_accepted=32, group_size=8, now=3600.0)["cost_rollouts_on_learner_estimate"] is None
+    )
+    rate[0] = 256.0 / 3600.0  # the learner would need 1 h for 32 groups × 8 samples
     c = led.cost(steps=10, rollouts_accepted=32, group_size=8, now=3600.0)
     assert c["cost_learner"] == pytest.approx(2.0) and c["cost_nodes"] == pytest.approx(1.0)
     assert c["cost_total"] == pytest.approx(3.0) and c["cost_per_step"] == pytest.approx(0.3)
@@ -44,10 +52,24 @@ def test_cost_split_per_step_per_1k_and_estimate() -> None:
 
 
 def test_peer_table_is_bounded(monkeypatch) -> None:
-    monkeypatch.setattr(ledger_mod, "MAX_PEERS", 2)
+    monkeypatch.setattr(peers_mod, "MAX_ACCOUNTS", 2)
     led = Ledger(Identity.generate(), "run-1")
     peers = [Identity.generate().peer_id for _ in range(6)]
     for p in peers[:5]:
         led.reject(p, "schema")
     assert len(led.accounts) == 2 and led.totals()["peers_untracked"] == 3
     assert led.accept(peers[5], "L", 1, 1, 1, 0, 0).seq == 1  # still answered with a receipt
+
+
+def test_a_node_is_billed_for_the_paid_share_of_its_accepted_work() -> None:
+    """Declared price × the seconds of work the learner accepted and paid, pro rata of the groups
+    kept: half the groups kept of an hour's lease at 2.0 an hour is 1.0; nothing kept, nothing billed."""
+    from echorl.actor.types import RolloutGroup, Sample
+
+    led = Ledger(Identity.generate(), "run-1")
+    led.book.add(PeerRecord(A, capability(price_per_hour=2.0), 0.0, 0.0, version=0))
+    group = RolloutGroup("p0", "prompt", [1, 2], [Sample([3], [-0.1], "stop", "x")], 0)
+    trio.run(led.issue, A, "L1", 2, [group], 0, 0, False, 3600.0)
+    assert led.accounts[A].cost == pytest.approx(1.0)
+    trio.run(led.issue, A, "L2", 2, [], 0, 0, False, 3600.0)
+    assert led.accounts[A].cost == pytest.approx(1.0) and led.accounts[A].groups_accepted == 1

@@ -2,12 +2,16 @@
 
 import socket
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import trio
+from swarm import capability
 
-from echorl.learner.membership import RunEnd, check_identity, dial_back
+from echorl.learner.membership import RunEnd, check_identity
+from echorl.learner.peers import PeerBook
+from echorl.net.dialback import dial_back
 from echorl.net.host import open_host
 from echorl.protocol import wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -41,17 +45,21 @@ def _join(instance: bytes):
 
 
 def test_second_live_process_with_one_key_is_refused():
-    peers, instances = {}, {}
-    check_identity(peers, instances, _join(b"a" * 16), "P", window_s=12)
-    peers["P"] = SimpleNamespace(alive=True, last_seen=time.monotonic())
-    check_identity(peers, instances, _join(b"a" * 16), "P", window_s=12)  # the same process re-joins
+    """The peer book's record names the member's process; a join from another process while it
+    is live is refused and changes nothing; once it went quiet, a restart is welcome."""
+    book = PeerBook()
+    cap = capability(reachable=False)
+    check_identity(book, _join(b"a" * 16), "P", window_s=12)
+    book.join("P", cap, 0, instance=b"a" * 16)
+    check_identity(book, _join(b"a" * 16), "P", window_s=12)  # the same process re-joins
     with pytest.raises(ProtocolError) as err:
-        check_identity(peers, instances, _join(b"b" * 16), "P", window_s=12)
+        check_identity(book, _join(b"b" * 16), "P", window_s=12)
     assert err.value.code == ErrorCode.IDENTITY_IN_USE
-    assert instances["P"] == b"a" * 16  # the refusal changed nothing
-    peers["P"].last_seen -= 30  # the first process went quiet: a restart is welcome
-    check_identity(peers, instances, _join(b"b" * 16), "P", window_s=12)
-    assert instances["P"] == b"b" * 16
+    assert book["P"].instance == b"a" * 16  # the refusal changed nothing
+    book.add(replace(book["P"], last_seen=time.monotonic() - 30))  # the first process went quiet
+    check_identity(book, _join(b"b" * 16), "P", window_s=12)  # a restart is welcome
+    book.join("P", cap, 0, instance=b"b" * 16)
+    assert book["P"].instance == b"b" * 16
 
 
 def test_run_end_is_signed_per_node_and_waits_for_live_nodes():
@@ -72,3 +80,23 @@ def test_run_end_is_signed_per_node_and_waits_for_live_nodes():
     t0 = time.monotonic()
     assert trio.run(main) - t0 < 3  # returned once both were told, not after the 5 s grace
     assert end.told == {"A", "B"}
+
+
+def test_a_doctors_probe_reads_weights_for_a_while_is_no_node_and_is_bounded(monkeypatch):
+    from echorl.learner import membership
+    from echorl.protocol.messages import PROBE_ENGINE
+
+    members = membership.Members(Identity.generate(), "r")
+    probe = lambda engine: SimpleNamespace(capability=SimpleNamespace(engine=engine))
+    assert members.probe(probe("torch"), "node") is False and not members.probing("node")  # a node joins as one
+    now = [1000.0]
+    monkeypatch.setattr(membership.time, "monotonic", lambda: now[0])
+    for i in range(membership.MAX_PROBES):
+        assert members.probe(probe(PROBE_ENGINE), f"doctor{i}") and members.probing(f"doctor{i}")
+    with pytest.raises(ProtocolError) as refused:
+        members.probe(probe(PROBE_ENGINE), "one-too-many")
+    assert refused.value.code == ErrorCode.UNAVAILABLE
+    assert members.probe(probe(PROBE_ENGINE), "doctor0")  # a probe that asks again keeps its place
+    now[0] += membership.PROBE_TTL_S + 1
+    assert not members.probing("doctor0")  # its leave to read weights ran out
+    assert members.probe(probe(PROBE_ENGINE), "one-too-many")  # and the expired ones made room

@@ -34,8 +34,13 @@ def _state(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 512, generator=g)
     w[0, : 8 * step] += 1.0  # a few changed weights: the next version is a small delta
-    return {"w": w, "head": w, "norm": torch.ones(512, dtype=torch.bfloat16) * (1 + step),
-            "step": torch.tensor(step), "t": torch.randn(16, 8, generator=g).t()}  # tied, bf16, 0-d, strided
+    return {
+        "w": w,
+        "head": w,
+        "norm": torch.ones(512, dtype=torch.bfloat16) * (1 + step),
+        "step": torch.tensor(step),
+        "t": torch.randn(16, 8, generator=g).t(),
+    }  # tied, bf16, 0-d, strided
 
 
 def _reference(sd: dict[str, torch.Tensor]) -> bytes:

@@ -1,25 +1,38 @@
 """The learner service's bookkeeping of peers: the liveness sweep over real libp2p hosts (a quiet
 peer that answers pings stays in broadcast plans; one that is gone — holding a lease or idle — is
-marked dead within seconds, its leases expired and re-queued); lease deadlines sized to the node;
-and what a checkpoint keeps of the service (bans, node addresses), bad entries skipped."""
+marked dead within seconds, its leases expired and re-queued); lease deadlines from the fleet's
+pace, late results counted against the peer;
+and what a checkpoint keeps of the service (bans, node addresses, accounts), bad entries skipped."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import trio
 
-from echorl.learner.buffer import StalenessBuffer
+from echorl.learner.config import ServiceFields
+from echorl.learner.service import LearnerService, PeerRecord
 from echorl.net.host import open_host
-from echorl.learner.service import LearnerService, LeasePolicy, PeerRecord
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import Capability
+from echorl.rl.buffer import StalenessBuffer
+
+ADDR = "/ip4/10.0.0.1/tcp/4001"
+FRESH = Identity.generate().peer_id
 
 
 def _record(peer_id: str, quiet_for_s: float) -> PeerRecord:
-    cap = Capability(engine="torch", device="cpu", memory_bytes=0, tokens_per_s=1.0, price_per_hour=0.0,
-                     reachable=True, listen_addrs=[])
+    cap = Capability(
+        engine="torch",
+        device="cpu",
+        memory_bytes=0,
+        tokens_per_s=1.0,
+        price_per_hour=0.0,
+        reachable=True,
+        listen_addrs=[],
+    )
     then = time.monotonic() - quiet_for_s
     return PeerRecord(peer_id, cap, then, then, version=0)
 
@@ -30,8 +43,17 @@ def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
     async def main() -> None:
         task = load_task("addition", digits=2, seed=0)
         learner = Identity.generate()
-        svc = LearnerService(learner, "run-1", task, tokenizer=None, buffer=StalenessBuffer(4, scorer=task.reward),
-                             policy=LeasePolicy(liveness_after_s=0.5, ping_timeout_s=2.0), vocab_size=100)
+        svc = LearnerService(
+            learner,
+            "run-1",
+            task,
+            tokenizer=None,
+            buffer=StalenessBuffer(4, scorer=task.reward),
+            # a generous ping timeout: the live peer must answer even on loaded cores (2 s failed 3 of
+            # 3 at load 4-12); the gone ones refuse the dial at once, so it does not slow the test
+            settings=ServiceFields(liveness_after_s=0.5, ping_timeout_s=10.0),
+            vocab_size=100,
+        )
         async with open_host(learner) as host, open_host(Identity.generate()) as up:
             svc.install(host)
             await host.connect(up.addrs[0])
@@ -41,9 +63,9 @@ def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
                 gone = (idle_gone.peer_id, holder_gone.peer_id)
             # both hosts are stopped now; the learner still has records for all three peers
             for pid in (up.peer_id, *gone):
-                svc.peers[pid] = _record(pid, quiet_for_s=10.0)
+                svc.peers.add(_record(pid, quiet_for_s=10.0))
             prompts = svc.buffer.next_prompts(task, 4)
-            svc.book.issue(holder_gone.peer_id, prompts, 8, 0, time.monotonic(), timeout_s=600)
+            svc.leases.issue(holder_gone.peer_id, prompts, 8, 0, time.monotonic(), timeout_s=600)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(svc.maintain, 0.1)
                 with trio.fail_after(20):
@@ -51,50 +73,91 @@ def test_sweep_keeps_answering_peers_and_drops_gone_ones() -> None:
                         await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
             assert svc.peers[up.peer_id].alive
-            assert time.monotonic() - svc.peers[up.peer_id].last_seen < 5.0  # its ping refreshed it
+            assert time.monotonic() - svc.peers[up.peer_id].last_seen < 9.0  # pinged: it was 10 s quiet
             assert [n.peer_id for n in svc.broadcast_nodes()] == [up.peer_id]
-            assert svc.book.expired == 1 and not svc.book.active  # the 600 s lease went at once
+            assert svc.leases.expired == 1 and not svc.leases.active  # the 600 s lease went at once
             requeued = svc.buffer.next_prompts(task, 4)
             assert sorted(p.prompt_id for p in requeued) == sorted(p.prompt_id for p in prompts)
 
     trio.run(main)
 
 
-def test_lease_deadline_scales_with_the_learner_measured_rate_and_is_capped() -> None:
-    from echorl.learner.admission import Admission
+def _fleet(**policy: float):
+    """An admission over a peer book with members joined from their own addresses."""
+    from swarm import capability
 
-    adm = Admission()
+    from echorl.learner.admission import Admission
+    from echorl.learner.config import AdmissionFields
+    from echorl.learner.peers import PeerBook
+
+    book = PeerBook()
+    adm = Admission(book, AdmissionFields(**policy))
+    for i, pid in enumerate(("fast", "fast2", "fast3", "slow", "crawl", "new")):
+        book.join(pid, capability(), 0, ip=f"10.0.0.{i + 1}")
+    return adm
+
+
+def test_lease_deadline_follows_the_fleet_s_pace_never_the_peer_s_own_rate() -> None:
+    adm = _fleet()
     args = dict(group_size=8, max_new_tokens=256, base_s=30.0)
-    # not yet measured: declared 151 tok/s, 2 prompts × 8 samples × 256 tokens ≈ 27 s → 4 × that
+    # nobody measured yet: declared 151 tok/s, 2 prompts × 8 samples × 256 tokens ≈ 27 s → 4 × that
     assert adm.deadline("a", 2, declared_tokens_per_s=151.0, **args) == 4 * 2 * 8 * 256 / 151.0
-    # a claimed 0 tok/s buys no long deadline: at most 4 × the base until the learner measured the peer
+    # a claimed 0 tok/s buys no long deadline: at most 4 × the base until the learner measured someone
     assert adm.deadline("a", 4, declared_tokens_per_s=0.0, **args) == 120.0
-    adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)  # 10 groups/s, measured by the learner
-    assert adm.deadline("fast", 4, declared_tokens_per_s=0.0, **args) == 30.0  # the floor
+    assert adm.late_after(4) == 0.0  # no fleet pace yet: nothing is late
+    for pid in ("fast", "fast2", "fast3"):
+        adm.on_result(pid, groups=10, issued_at=0.0, now=1.0)  # 10 groups/s, measured by the learner
     adm.on_result("slow", groups=4, issued_at=0.0, now=40.0)  # 0.1 groups/s
-    assert adm.deadline("slow", 4, declared_tokens_per_s=1e6, **args) == 160.0  # 4 × 40 s, declared ignored
     adm.on_result("crawl", groups=1, issued_at=0.0, now=1000.0)
-    assert adm.deadline("crawl", 4, declared_tokens_per_s=1e6, **args) == 600.0  # capped at 20 × base
+    # the median over the addresses is 10 groups/s: 4 prompts take the fleet 0.4 s, the deadline is
+    # 4 × that at least lease_min_s, for the slow peer as for the fast (before: 160 s and 600 s)
+    for pid in ("fast", "slow", "crawl", "new"):
+        assert adm.deadline(pid, 4, declared_tokens_per_s=1e6, **args) == 2.0
+    assert adm.late_after(4) == 1.0  # 2 × 0.4 s, at least half of lease_min_s
+    # a slow peer is leased what it does in the fleet's time for a full lease
+    assert adm.pace.sized("fast", 8) == 8 and adm.pace.sized("slow", 8) == 1
+    # the staleness horizon bounds it too: 2 steps left at a 0.5 s step period
+    adm.pace.note_version(0, 0.0)
+    adm.pace.note_version(4, 2.0)
+    assert adm.deadline("slow", 400, declared_tokens_per_s=0.0, steps_left=2, **args) == 2.0  # lease_min_s
+    assert adm.deadline("slow", 400, declared_tokens_per_s=0.0, steps_left=100, **args) == 50.0
+    assert adm.deadline("slow", 4000, declared_tokens_per_s=0.0, **args) == 600.0  # 20 × base
+
+
+def test_a_late_result_counts_like_an_expiry_and_resets_nothing() -> None:
+    adm = _fleet(expiry_backoff_s=2.0, refuse_after_expiries=3)
+    adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)
+    late = adm.late_after(8)
+    assert late == pytest.approx(1.6)
+    adm.on_result("slow", groups=8, issued_at=0.0, now=1.5, late_after_s=late)
+    assert adm.leases_late == 0
+    for k in range(1, 4):  # each late answer: another expiry in a row, a longer back-off
+        adm.on_result("slow", groups=8, issued_at=10.0 * k, now=10.0 * k + 1.9, late_after_s=late)
+        load = adm.load("slow")
+        assert adm.leases_late == k
+        assert load.expiries_in_row == k and load.backoff_until == pytest.approx(10.0 * k + 1.9 + 2.0 * 2 ** (k - 1))
+    assert adm.refused("slow") and adm.leases_late == 3
 
 
 def test_lease_deadline_adds_the_time_to_load_a_version_of_the_published_size() -> None:
     """A version published mid-lease is loaded before the lease's next sample: a 60 GB model's
     leases get 10 minutes more (at 100 MB/s), past the measured-rate cap; a 2 MB one 0.02 s."""
-    from echorl.learner.admission import Admission
-
-    adm = Admission()
+    adm = _fleet()
     args = dict(group_size=8, max_new_tokens=256, base_s=30.0, declared_tokens_per_s=0.0)
-    adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)
     adm.note_published(0, weights_bytes=2_000_000)
-    assert adm.deadline("fast", 4, **args) == pytest.approx(30.0 + 0.02)
+    assert adm.deadline("new", 4, **args) == pytest.approx(120.0 + 0.02)  # unmeasured: 4 × base + load
+    adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)
+    assert adm.deadline("fast", 4, **args) == pytest.approx(2.0 + 0.02)
     adm.note_published(1)  # a delta: the model's size is unchanged
-    assert adm.deadline("fast", 4, **args) == pytest.approx(30.02)
+    assert adm.deadline("fast", 4, **args) == pytest.approx(2.02)
     adm.note_published(2, weights_bytes=60_000_000_000)
-    assert adm.deadline("fast", 4, **args) == pytest.approx(30.0 + 600.0)
-    assert adm.deadline("new", 4, **args) == pytest.approx(120.0 + 600.0)  # unmeasured: 4 × base + load
+    assert adm.deadline("fast", 4, **args) == pytest.approx(2.0 + 600.0)
+    assert adm.late_after(4) == pytest.approx(1.0 + 600.0)
 
 
 def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() -> None:
+    """Flags, node addresses, accounts (the per-node credit, issue 28) and the receipt sequence
+    survive a checkpoint; a re-joining node's record shares its restored account."""
     import json
 
     import pytest
@@ -104,32 +167,59 @@ def test_checkpointed_service_state_round_trips_and_bad_entries_are_skipped() ->
     task = load_task("addition", digits=2, seed=0)
 
     def service() -> LearnerService:
-        return LearnerService(Identity.generate(), "run-1", task, tokenizer=None,
-                              buffer=StalenessBuffer(4, scorer=task.reward), policy=LeasePolicy(), vocab_size=100)
+        return LearnerService(
+            Identity.generate(),
+            "run-1",
+            task,
+            tokenizer=None,
+            buffer=StalenessBuffer(4, scorer=task.reward),
+            settings=ServiceFields(),
+            vocab_size=100,
+        )
 
     old = service()
-    old.peers["fresh"] = _record("fresh", quiet_for_s=1.0)
-    old.peers["gone-long-ago"] = _record("gone-long-ago", quiet_for_s=3600.0)
-    old.peers["fresh"].capability = old.peers["fresh"].capability.model_copy(update={"listen_addrs": ["/ip4/10.0.0.1/tcp/4001"]})
-    old.mismatches = {"cheater": 3}
+    fresh = _record(FRESH, quiet_for_s=1.0)
+    old.peers.add(replace(fresh, capability=fresh.capability.model_copy(update={"listen_addrs": [ADDR]})))
+    old.peers.add(_record("gone-long-ago", quiet_for_s=3600.0))
+    for _ in range(3):
+        old.peers.count_mismatch("cheater")
+    old.ledger.accept(FRESH, "L-1", 4, 3, 30, 0, 1)  # a receipt: 3 groups, 30 tokens
+    old.ledger.reject(FRESH, "stale_version")
+    old.peers.record_generation(FRESH, 4, 2.0, 1)
     saved = json.loads(json.dumps(old.state_dict()))  # what the checkpoint's state.json holds
     new = service()
     new.load_state_dict(saved)
-    assert new.remembered_addrs == {"fresh": ["/ip4/10.0.0.1/tcp/4001"]}
-    assert new.mismatches == {"cheater": 3} and new.banned("cheater")
+    assert new.peers.remembered_addrs == {FRESH: [ADDR]}
+    assert new.peers.mismatches == {"cheater": 3} and new.police.banned("cheater") and "cheater" in new.peers.flagged
+    assert new.ledger.seq == 1 and new.ledger.peer_fields(FRESH) == old.ledger.peer_fields(FRESH)
+    new.peers.add(_record(FRESH, quiet_for_s=0.0))  # the node re-joins the resumed learner
+    assert (new.peers[FRESH].leases_done, new.peers[FRESH].groups_accepted) == (1, 3)
+    assert new.peers[FRESH].rollouts_per_s == 2.0
 
     bad = service()
-    state = {"logprob_mismatches": {"a": 2, "b": "x", "c": True, "d": -1}, "peer_addrs": {"p": ["/ip4/1.2.3.4/tcp/1"], "q": "x"}}
+    good_account = saved["accounts"][FRESH]
+    state = {
+        "logprob_mismatches": {"a": 2, "b": "x", "c": True, "d": -1},
+        "peer_addrs": {"p": ["/ip4/1.2.3.4/tcp/1"], "q": "x"},
+        "accounts": {
+            "ok": good_account,
+            "neg": {**good_account, "groups_accepted": -1},
+            "reason": {**good_account, "rejected": {"not_a_code": 1}},
+            "extra": {**good_account, "surprise": 1},
+            "nan": {**good_account, "cost": float("nan")},
+        },
+    }
     bad.load_state_dict(state)
-    assert bad.remembered_addrs == {"p": ["/ip4/1.2.3.4/tcp/1"]} and bad.mismatches == {"a": 2}
-    fresh = service()
-    fresh.load_state_dict({"logprob_mismatches": [1, 2], "peer_addrs": 7})  # wrong shapes: skipped
-    assert fresh.remembered_addrs == {} and fresh.mismatches == {}
+    assert bad.peers.remembered_addrs == {"p": ["/ip4/1.2.3.4/tcp/1"]} and bad.peers.mismatches == {"a": 2}
+    assert set(bad.peers.accounts) == {"ok"}
+    fresh_svc = service()
+    fresh_svc.load_state_dict({"logprob_mismatches": [1, 2], "peer_addrs": 7, "accounts": "x"})  # skipped
+    assert fresh_svc.peers.remembered_addrs == {} and fresh_svc.peers.mismatches == {} and not fresh_svc.peers.accounts
     for junk in ("garbage", None, {"logprob_mismatches": {}, "bans": {"x": 1}}):  # not this code's state
-        fresh = service()
+        fresh_svc = service()
         with pytest.raises(ValueError, match="service state"):
-            fresh.load_state_dict(junk)
-        assert fresh.remembered_addrs == {} and fresh.mismatches == {}
+            fresh_svc.load_state_dict(junk)
+        assert fresh_svc.peers.remembered_addrs == {} and fresh_svc.peers.mismatches == {}
 
 
 def test_status_is_paged_with_a_cursor() -> None:
@@ -140,11 +230,18 @@ def test_status_is_paged_with_a_cursor() -> None:
     from echorl.tasks import load_task
 
     task = load_task("addition", digits=2, seed=0)
-    svc = LearnerService(Identity.generate(), "run-1", task, tokenizer=None,
-                         buffer=StalenessBuffer(4, scorer=task.reward), policy=LeasePolicy(), vocab_size=100)
+    svc = LearnerService(
+        Identity.generate(),
+        "run-1",
+        task,
+        tokenizer=None,
+        buffer=StalenessBuffer(4, scorer=task.reward),
+        settings=ServiceFields(),
+        vocab_size=100,
+    )
     ids = [Identity.generate().peer_id for _ in range(7)]
     for pid in ids:
-        svc.peers[pid] = _record(pid, quiet_for_s=0.0)
+        svc.peers.add(_record(pid, quiet_for_s=0.0))
 
     async def page(cursor: int, limit: int) -> Status:
         req = wire.decode(wire.encode(StatusRequest(cursor=cursor, limit=limit)), expect=StatusRequest)
@@ -163,3 +260,28 @@ def test_status_is_paged_with_a_cursor() -> None:
         assert len(whole.peers) == 7 and whole.next_cursor is None
 
     trio.run(main)
+
+
+def test_work_is_billed_at_most_at_the_fleets_pace() -> None:
+    """The seconds billed for an accepted lease are what it took, at most what the fleet takes for
+    a lease of that size: answering slowly is never billed more (issue 24: cost from work)."""
+    adm = _fleet()
+    assert adm.on_result("first", groups=4, issued_at=0.0, now=8.0) == 8.0  # no pace yet: the time taken
+    for pid in ("fast", "fast2", "fast3"):
+        adm.on_result(pid, groups=10, issued_at=0.0, now=1.0)  # the fleet: 10 groups/s
+    assert adm.on_result("fast", groups=4, issued_at=0.0, now=0.3) == pytest.approx(0.3)
+    assert adm.on_result("slow", groups=4, issued_at=0.0, now=30.0) == pytest.approx(0.4)
+
+
+def test_a_peer_a_little_slower_than_the_fleet_gets_full_leases() -> None:
+    """Lease size follows the fleet with slack (SIZE_SLACK): against the fleet's median of 9
+    groups/s, a peer at 8 still gets full leases (it finishes well before it would be late), one at
+    5 gets 6 prompts of 8, one at 1 a single prompt (before: the peer at 8 was cut to 1 of 2)."""
+    adm = _fleet()
+    for pid in ("fast", "fast2", "fast3"):
+        adm.on_result(pid, groups=10, issued_at=0.0, now=1.0)  # the fleet: 10 groups/s
+    adm.on_result("near", groups=8, issued_at=0.0, now=1.0)  # 8 groups/s
+    adm.on_result("half", groups=5, issued_at=0.0, now=1.0)
+    adm.on_result("slow", groups=1, issued_at=0.0, now=1.0)
+    assert [adm.pace.sized(p, 2) for p in ("near", "half", "slow")] == [2, 1, 1]
+    assert [adm.pace.sized(p, 8) for p in ("near", "half", "slow")] == [8, 6, 1]

@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from echorl.learner.tolerances import TABLE, Tolerance, tolerance_for  # noqa: E402
+from echorl.learner.tolerances import TABLE, Tolerance, tolerance_for
 
 BASE = Tolerance(0.02, 0.5)
 
@@ -46,8 +46,10 @@ def checked():
     samples = backend.generate(texts, 4, SamplingParams(temperature=1.0, max_new_tokens=6), seed=1)
     groups = [RolloutGroup(f"p{i}", t, backend.encode(t), s, 0) for i, (t, s) in enumerate(zip(texts, samples))]
     other = {k: v + 0.5 * torch.randn_like(v) for k, v in backend.model.state_dict().items()}
-    snaps = {0: snapshot.state_dict_to_safetensors(backend.model.state_dict()),
-             1: snapshot.state_dict_to_safetensors(other)}
+    snaps = {
+        0: snapshot.state_dict_to_safetensors(backend.model.state_dict()),
+        1: snapshot.state_dict_to_safetensors(other),
+    }
     return SpotChecker(backend.model, backend.tokenizer, 1.0, 1.0, snaps.get), groups
 
 
@@ -78,8 +80,15 @@ def test_capability_dtype_is_optional_on_the_wire():
     from echorl.protocol import wire
     from echorl.protocol.messages import Capability, JoinRequest
 
-    base = dict(engine="vllm", device="cuda:0", memory_bytes=1, tokens_per_s=1.0, price_per_hour=0.0,
-                reachable=True, listen_addrs=[])
+    base = dict(
+        engine="vllm",
+        device="cuda:0",
+        memory_bytes=1,
+        tokens_per_s=1.0,
+        price_per_hour=0.0,
+        reachable=True,
+        listen_addrs=[],
+    )
     join = dict(run_id="r", peer_id="1" * 40, version=-1, timestamp=1.0, nonce=b"\0" * 16)
     old = JoinRequest(capability=Capability(**base), **join)
     new = JoinRequest(capability=Capability(**base, dtype="bfloat16"), **join)

@@ -64,8 +64,7 @@ def test_far_future_record_of_another_key_does_not_divert_a_node() -> None:
                 dhts["mallory"].dht.value_store.put(KEY.encode(), fake)  # mallory's own store keeps it
                 dhts["node"].dht.value_store.put(KEY.encode(), fake)  # and it reached the node before it pinned
                 with trio.fail_after(60):
-                    found = await find_learner(node, f"{mallory.addrs[0]}", RUN, dhts["node"],
-                                               pinned=learner.peer_id)
+                    found = await find_learner(node, f"{mallory.addrs[0]}", RUN, dhts["node"], pinned=learner.peer_id)
                 assert found == learner.peer_id and node.is_connected(learner.peer_id)
                 rec = await dhts["node"].find_learner_record()
                 assert rec is not None and rec.learner_peer_id == learner.peer_id

@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster
 from echorl.net.host import open_host
 from echorl.node.state import SnapshotKeeper, load_snapshot
 from echorl.node.versions import NodeWeights
 from echorl.protocol.identity import Identity
-from swarm import safetensors_f32
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,8 +53,9 @@ def test_direct_fetch_reaches_the_learners_newest_version(tmp_path):
                 await node._fetch()
                 assert node.version == 2 and node.loads["fetch"] == 1 and node.loads["relay"] == 0
                 assert [v for v, _ in backend.loaded] == [2]
-                np.testing.assert_array_equal(backend.loaded[0][1]["w"].numpy(),
-                                              np.frombuffer(weights(2)[-200_000:], dtype="<f4"))
+                np.testing.assert_array_equal(
+                    backend.loaded[0][1]["w"].numpy(), np.frombuffer(weights(2)[-200_000:], dtype="<f4")
+                )
                 await node.flush()
                 nursery.cancel_scope.cancel()
         snap = load_snapshot(keeper.state_dir, li.peer_id, "r")

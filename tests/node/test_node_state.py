@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+from swarm import Swarm
 
 from echorl.node.state import (
-    Snapshot, SnapshotKeeper, default_state_dir, load_snapshot, write_snapshot,
+    Snapshot,
+    SnapshotKeeper,
+    default_state_dir,
+    load_snapshot,
+    write_snapshot,
 )
 from echorl.protocol import delta, snapshot, wire
 from echorl.protocol.errors import ProtocolError
 from echorl.protocol.identity import Identity
-
-from swarm import Swarm
 
 RUN = "state-test"
 
@@ -143,6 +146,7 @@ def test_default_state_dir_is_per_key_and_run(tmp_path):
 
 # --- real processes ----------------------------------------------------------------------------
 
+
 def _steps(swarm: Swarm) -> list[dict]:
     return [r for r in swarm.metrics() if r.get("step", 0) > 0]
 
@@ -157,8 +161,11 @@ def test_restarted_node_starts_from_disk(swarm, tmp_path):
     swarm.start_learner("--steps", "0", "--staleness", "2", "--eval-every", "1000")
     log = tmp_path / "a.log"
     node = swarm.start_node("a")
-    swarm.wait_for(lambda: len(_steps(swarm)) >= 4 and "kept snapshot v" in log.read_text(),
-                   what="4 steps and a snapshot on disk", timeout=150)
+    swarm.wait_for(
+        lambda: len(_steps(swarm)) >= 4 and "kept snapshot v" in log.read_text(),
+        what="4 steps and a snapshot on disk",
+        timeout=150,
+    )
     first = _stop(node, log)
     kept = int(re.findall(r"kept snapshot v(\d+) on disk", first)[-1])  # the last: written at exit
     assert kept >= 1 and "resumed from on-disk snapshot" not in first
@@ -167,14 +174,20 @@ def test_restarted_node_starts_from_disk(swarm, tmp_path):
     log.rename(tmp_path / "a1.log")
 
     node = swarm.start_node("a")  # same key, so the same state dir
-    swarm.wait_for(lambda: max(_steps(swarm)[-1]["per_node_version"].values(), default=-1) > kept,
-                   what="a newer version at the restarted node", timeout=120)
+    swarm.wait_for(
+        lambda: max(_steps(swarm)[-1]["per_node_version"].values(), default=-1) > kept,
+        what="a newer version at the restarted node",
+        timeout=120,
+    )
     second = _stop(node, log)
     assert f"resumed from on-disk snapshot v{kept}" in second
     assert re.search(rf"joined run echorl-demo at learner version \d+ \(S=2\) holding v{kept}\b", second)
     assert "fetched directly" not in second  # no full direct fetch: only what is newer came
-    loads = re.search(r"versions loaded: \{'relay': (\d+), 'fetch': (\d+), 'disk': 1\}; "
-                      rf"started from on-disk v{kept}\)", second)
+    loads = re.search(
+        r"versions loaded: \{'relay': (\d+), 'fetch': (\d+), 'disk': 1\}; "
+        rf"started from on-disk v{kept}\)",
+        second,
+    )
     assert loads and int(loads.group(1)) >= 1 and int(loads.group(2)) == 0, second[-2000:]
 
 

@@ -19,8 +19,10 @@ LEARNER, NODE, MALLORY = Identity.generate(), Identity.generate(), Identity.gene
 
 def _receipts(n: int) -> list:
     ledger = Ledger(LEARNER, "run-1")
-    return [wire.sign(ledger.accept(NODE.peer_id, f"L-{i}", 4, 3 + i % 2, 10 * (i + 1), i, i + 1), LEARNER)
-            for i in range(n)]
+    return [
+        wire.sign(ledger.accept(NODE.peer_id, f"L-{i}", 4, 3 + i % 2, 10 * (i + 1), i, i + 1), LEARNER)
+        for i in range(n)
+    ]
 
 
 def test_kept_receipts_verify_offline_and_add_up(tmp_path) -> None:
@@ -76,3 +78,35 @@ def test_a_node_refuses_a_receipt_for_someone_else() -> None:
         assert err.value.code is ErrorCode.SCHEMA
     with pytest.raises(ProtocolError):
         decode_line(b"x" * 5000)
+
+
+def test_ledger_counts_a_lease_once_across_files_per_run_and_needs_a_pinned_learner(tmp_path, capsys) -> None:
+    """Issue 24, finding 6: ``echorl ledger --receipts`` counted a receipt copied into a second
+    file twice, mixed runs into one row, and summed a file a made-up learner signed for itself
+    (exit 0) when no ``--learner-id`` was given."""
+    import argparse
+
+    from echorl.cli import ledger as cli
+
+    receipts = _receipts(3)
+    other_run = wire.sign(Ledger(LEARNER, "run-2").accept(NODE.peer_id, "L-0", 4, 4, 40, 0, 1), LEARNER)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for r in receipts:
+        ReceiptLog(a).append(r)
+    ReceiptLog(b).append(receipts[0])  # the same receipt, kept twice
+    ReceiptLog(b).append(other_run)
+    rows, refused, learners = cli.from_receipts([str(a), str(b)], LEARNER.peer_id)
+    by_run = {r["run"]: r for r in rows}
+    assert set(by_run) == {"run-1", "run-2"} and learners == {LEARNER.peer_id}
+    assert by_run["run-1"]["groups_accepted"] == sum(r.groups for r in receipts)  # not + receipts[0]'s again
+    assert by_run["run-1"]["submissions_accepted"] == 3 and by_run["run-2"]["groups_accepted"] == 4
+    assert len(refused) == 1 and refused[0].startswith(f"{b}:1: duplicate of {a}:1")
+
+    mallory = tmp_path / "m.jsonl"
+    ReceiptLog(mallory).append(wire.sign(Ledger(MALLORY, "run-1").accept(NODE.peer_id, "L-x", 8, 8, 80, 0, 1), MALLORY))
+    args = argparse.Namespace(receipts=[str(mallory)], learner_id=None, csv=None, json=True, bootstrap=None)
+    assert cli.run(args) == 2 and "--learner-id" in capsys.readouterr().err
+    args.learner_id = LEARNER.peer_id
+    assert cli.run(args) == 1  # refused: not signed by the pinned learner
+    args.receipts = [str(a), str(b)]
+    assert cli.run(args) == 1 and "duplicate" in capsys.readouterr().out

@@ -4,10 +4,12 @@ import os
 import stat
 
 import pytest
+from keyfiles import KEY_PROBLEMS, unusable_key
 
 from echorl.protocol import ErrorCode, ProtocolError
 from echorl.protocol.identity import (
     Identity,
+    KeyFileError,
     load_identity,
     load_or_create_identity,
     peer_id_from_public_key,
@@ -29,8 +31,17 @@ def test_world_readable_key_file_is_refused(tmp_path):
     path = tmp_path / "node.key"
     load_or_create_identity(path)
     os.chmod(path, 0o644)
-    with pytest.raises(PermissionError, match="chmod 600"):
+    with pytest.raises(KeyFileError, match="chmod 600"):
         load_identity(path)
+
+
+@pytest.mark.parametrize("kind", KEY_PROBLEMS)
+def test_every_key_file_problem_is_one_key_file_error(tmp_path, kind):
+    path, words = unusable_key(tmp_path, kind)
+    with pytest.raises(KeyFileError, match=words) as err:
+        load_or_create_identity(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+    assert isinstance(err.value, ValueError)  # what every role's pre-flight check catches (exit 2)
 
 
 def test_truncated_key_file_is_refused(tmp_path):

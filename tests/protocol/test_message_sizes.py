@@ -18,13 +18,33 @@ def _manifest(identity: Identity, version: int, payload_bytes: int, n_tensors: i
     chunk = limits.DEFAULT_CHUNK_BYTES
     n = -(-payload_bytes // chunk)
     sizes = [chunk] * (n - 1) + [payload_bytes - chunk * (n - 1)]
-    tensors = [TensorEntry(name=f"model.layers.{i // 9}.mlp.gate_proj.weight.{i}", dtype="BF16",
-                           shape=[8192, 28672], digest=os.urandom(32)) for i in range(n_tensors)]
-    return wire.sign(Manifest(
-        run_id="run", learner_peer_id=identity.peer_id, version=version, parent_version=version - 1,
-        kind=kind, base_version=-1 if kind == "full" else version - 1, chunk_bytes=chunk,
-        payload_bytes=payload_bytes, chunks=[ChunkRef(digest=os.urandom(32), size=s) for s in sizes],
-        tensors=tensors, result_bytes=60 * GB, result_digest=os.urandom(32), created_at=0.0), identity)
+    tensors = [
+        TensorEntry(
+            name=f"model.layers.{i // 9}.mlp.gate_proj.weight.{i}",
+            dtype="BF16",
+            shape=[8192, 28672],
+            digest=os.urandom(32),
+        )
+        for i in range(n_tensors)
+    ]
+    return wire.sign(
+        Manifest(
+            run_id="run",
+            learner_peer_id=identity.peer_id,
+            version=version,
+            parent_version=version - 1,
+            kind=kind,
+            base_version=-1 if kind == "full" else version - 1,
+            chunk_bytes=chunk,
+            payload_bytes=payload_bytes,
+            chunks=[ChunkRef(digest=os.urandom(32), size=s) for s in sizes],
+            tensors=tensors,
+            result_bytes=60 * GB,
+            result_digest=os.urandom(32),
+            created_at=0.0,
+        ),
+        identity,
+    )
 
 
 def test_a_catch_up_page_of_a_60_gb_model_fits_the_frame_cap():
@@ -44,7 +64,7 @@ def test_a_catch_up_page_of_a_60_gb_model_fits_the_frame_cap():
         assert len(frame) <= limits.MAX_FRAME_BYTES, len(frame)
         assert len(page) == 1 or sum(map(snapshot.manifest_wire_bytes, page)) <= limits.CATCHUP_PAGE_BYTES
         sent += [m.version for m in page]
-        run = run[len(page):]
+        run = run[len(page) :]
     assert sent == list(range(10, 15))
     decoded = wire.decode(wire.encode(CatchUp(run_id="run", manifests=[full])), expect=CatchUp)
     assert decoded.manifests[0].payload_bytes == 60 * GB
@@ -52,19 +72,38 @@ def test_a_catch_up_page_of_a_60_gb_model_fits_the_frame_cap():
 
 def _peer_entry(i: int) -> dict:
     """What the learner sends per peer (``LearnerService.status``), with the longest values."""
-    return {"peer_id": "12D3KooW" + "x" * 44, "device": "cuda:NVIDIA H200 141GB HBM3e" + "-" * 40,
-            "engine": "vllm-0.6.3.post1+cu124", "version": 2**40 + i, "tokens_per_s": 123456.7,
-            "price_per_hour": 12.5, "leases": 64, "leases_done": 2**40, "groups_accepted": 2**40,
-            "rollouts_per_s": 1234.567, "last_seen_s": 86400.25, "alive": True,
-            "logprob_mismatches": 2**20, "banned": False, "standby": False}
+    return {
+        "peer_id": "12D3KooW" + "x" * 44,
+        "device": "cuda:NVIDIA H200 141GB HBM3e" + "-" * 40,
+        "engine": "vllm-0.6.3.post1+cu124",
+        "version": 2**40 + i,
+        "tokens_per_s": 123456.7,
+        "price_per_hour": 12.5,
+        "leases": 64,
+        "leases_done": 2**40,
+        "groups_accepted": 2**40,
+        "rollouts_per_s": 1234.567,
+        "last_seen_s": 86400.25,
+        "alive": True,
+        "logprob_mismatches": 2**20,
+        "banned": False,
+        "standby": False,
+    }
 
 
 def test_status_pages_of_100k_peers_each_fit_the_frame_cap():
     learner = {f"metric_{i}": float(i) for i in range(128)}
     total = 100_000
     page = limits.MAX_STATUS_PAGE
-    frame = wire.encode(Status(run_id="run", learner=learner, peers=[_peer_entry(i) for i in range(page)],
-                               next_cursor=page, total_peers=total))
+    frame = wire.encode(
+        Status(
+            run_id="run",
+            learner=learner,
+            peers=[_peer_entry(i) for i in range(page)],
+            next_cursor=page,
+            total_peers=total,
+        )
+    )
     assert len(frame) <= limits.MAX_FRAME_BYTES // 8, len(frame)  # ~0.3 KiB a peer
     pages = -(-total // page)
     assert pages * page >= total
@@ -80,8 +119,19 @@ def test_a_plan_announce_of_a_60_gb_model_and_4096_members_fits_the_frame_cap():
     learner = Identity.generate()
     member = Identity.generate().peer_id
     addrs = [f"/ip4/203.0.113.{i}/tcp/40001/p2p/{member}" for i in range(2)]
-    ann = wire.sign(PlanAnnounce(
-        run_id="run", learner_peer_id=learner.peer_id, version=10, manifest=_manifest(learner, 10, 60 * GB, 1000),
-        shape="striped", fanout=4, seed=0, learner_addrs=addrs,
-        members=[PlanMember(peer_id=member, reachable=True, addrs=addrs)] * 4096, created_at=0.0), learner)
+    ann = wire.sign(
+        PlanAnnounce(
+            run_id="run",
+            learner_peer_id=learner.peer_id,
+            version=10,
+            manifest=_manifest(learner, 10, 60 * GB, 1000),
+            shape="striped",
+            fanout=4,
+            seed=0,
+            learner_addrs=addrs,
+            members=[PlanMember(peer_id=member, reachable=True, addrs=addrs)] * 4096,
+            created_at=0.0,
+        ),
+        learner,
+    )
     assert len(wire.encode(ann)) <= limits.MAX_FRAME_BYTES

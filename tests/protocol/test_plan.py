@@ -14,14 +14,15 @@ LEARNER = "learner"
 def peers_strategy(min_size=0):
     """Reachable peers, unreachable leaves and unreachable pushers (NAT'd, dialling out)."""
     return st.lists(st.sampled_from(["reachable", "leaf", "pusher"]), min_size=min_size, max_size=80).map(
-        lambda kinds: [PlanPeer(f"peer-{i}", reachable=k == "reachable", pushes=k == "pusher")
-                       for i, k in enumerate(kinds)]
+        lambda kinds: [
+            PlanPeer(f"peer-{i}", reachable=k == "reachable", pushes=k == "pusher") for i, k in enumerate(kinds)
+        ]
     )
 
 
 def received(plan, stripe):
     counts = {}
-    for parent, children in plan.stripes[stripe].children.items():
+    for _parent, children in plan.stripes[stripe].children.items():
         for child in children:
             counts[child] = counts.get(child, 0) + 1
     return counts
@@ -63,6 +64,7 @@ def test_no_edge_needs_a_dial_to_an_unreachable_peer(peers, fanout, seed, stripe
 def test_pushers_never_cost_the_learner_or_the_busiest_peer_more(n_pub, n_nat, fanout, seed):
     """Letting NAT'd peers push relieves the reachable ones: neither the learner's upload nor
     the busiest peer's grows compared with the same peers as plain leaves."""
+
     def plan(push):
         peers = [PlanPeer(f"p{i}") for i in range(n_pub)] + [PlanPeer(f"n{i}", False, push) for i in range(n_nat)]
         built = plan_broadcast(LEARNER, peers, fanout, seed)

@@ -108,7 +108,9 @@ def test_result_with_altered_tensor_refused():
         verify_result(manifest, bytes(altered))
 
 
-@pytest.mark.parametrize("garbage", [b"", b"\xff" * 8, b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}", b"\x02\x00\x00\x00\x00\x00\x00\x00[]"])
+@pytest.mark.parametrize(
+    "garbage", [b"", b"\xff" * 8, b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}", b"\x02\x00\x00\x00\x00\x00\x00\x00[]"]
+)
 def test_parse_safetensors_refuses_garbage(garbage):
     with pytest.raises(ProtocolError):
         parse_safetensors(garbage)
@@ -125,7 +127,9 @@ def test_delta_of_real_optimizer_step_is_bit_exact(dtype):
     rebuilt = apply_delta(before, delta)
     assert rebuilt == after
     # The delta travels as a manifest of kind "delta" that proves the result.
-    manifest, chunks = build_manifest(LEARNER, "run-1", 2, 1, delta, after, kind="delta", base_version=1, chunk_bytes=512)
+    manifest, chunks = build_manifest(
+        LEARNER, "run-1", 2, 1, delta, after, kind="delta", base_version=1, chunk_bytes=512
+    )
     verify_manifest(manifest, LEARNER.peer_id)
     assembler = ChunkAssembler(manifest)
     for ref, chunk in zip(manifest.chunks, chunks):

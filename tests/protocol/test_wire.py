@@ -6,12 +6,11 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from protocol_examples import example_messages
 
 from echorl.protocol import ErrorCode, ProtocolError, limits, wire
 from echorl.protocol import messages as m
 from echorl.protocol.identity import Identity
-
-from protocol_examples import example_messages
 
 NODE, LEARNER, MALLORY = Identity.generate(), Identity.generate(), Identity.generate()
 EXAMPLES = example_messages(NODE, LEARNER)
@@ -100,7 +99,9 @@ def test_ext_types_and_timestamps_refused():
 
 
 def test_oversized_fields_and_frames():
-    assert code_of(pack({"type": "error", "code": "x", "detail": "a" * (limits.MAX_STR_BYTES + 1)})) is ErrorCode.OVERSIZED
+    assert (
+        code_of(pack({"type": "error", "code": "x", "detail": "a" * (limits.MAX_STR_BYTES + 1)})) is ErrorCode.OVERSIZED
+    )
     chunk = {"type": "chunk", "digest": b"d" * 32, "data": b"x" * (limits.MAX_CHUNK_BYTES + 1)}
     assert code_of(pack(chunk)) is ErrorCode.OVERSIZED
     assert code_of(b"\x00" * (limits.MAX_FRAME_BYTES + 1)) is ErrorCode.OVERSIZED
@@ -111,7 +112,9 @@ def test_oversized_fields_and_frames():
 
 def test_deep_nesting_refused():
     nested = [[[[[[[[[[[[1]]]]]]]]]]]]
-    assert code_of(pack({"type": "status", "run_id": "r", "learner": {"a": nested}, "peers": []})) is ErrorCode.MALFORMED
+    assert (
+        code_of(pack({"type": "status", "run_id": "r", "learner": {"a": nested}, "peers": []})) is ErrorCode.MALFORMED
+    )
 
 
 def test_expect_narrows_type():
@@ -207,7 +210,12 @@ def test_fuzz_mutated_valid_frames(valid, flips, cut):
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=20,
 )

@@ -9,11 +9,18 @@ import types
 
 import pytest
 
-from echorl.tasks import EnvStep, EnvTask, Environment, TaskError, is_episodic, load_task
+from echorl.tasks import Environment, EnvStep, EnvTask, TaskError, is_episodic, load_task
 from echorl.tasks.env import EpisodeRun, episode_seed
 from echorl.tasks.guess import GuessNumber, random_success
 from echorl.tasks.poker import (
-    KuhnPoker, best_response_value, exact_value, fixed_opponent, nash_p1, nash_p2, seat_value, uniform_policy,
+    KuhnPoker,
+    best_response_value,
+    exact_value,
+    fixed_opponent,
+    nash_p1,
+    nash_p2,
+    seat_value,
+    uniform_policy,
 )
 
 

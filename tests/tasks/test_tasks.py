@@ -64,7 +64,11 @@ def test_bad_jsonl_line(tmp_path):
 
 def test_parse_task_options():
     assert parse_task_options(["digits=3", "x=0.5", "flag=true", "path=a.jsonl"]) == {
-        "digits": 3, "x": 0.5, "flag": True, "path": "a.jsonl"}
+        "digits": 3,
+        "x": 0.5,
+        "flag": True,
+        "path": "a.jsonl",
+    }
     with pytest.raises(TaskError):
         parse_task_options(["novalue"])
 
@@ -151,10 +155,18 @@ def test_math_reward_end_to_end():
     assert math_reward("", "6") == 0.0
 
 
-@pytest.mark.parametrize("hostile", [
-    "1e999999999", "-2E+99999999", "\\frac{1e99999999}{3}", "7/1e99999999", "1" * 5000,
-    "1 " + "2" * 6000 + "/3", "answer is " + "9" * 100_000,
-])
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "1e999999999",
+        "-2E+99999999",
+        "\\frac{1e99999999}{3}",
+        "7/1e99999999",
+        "1" * 5000,
+        "1 " + "2" * 6000 + "/3",
+        "answer is " + "9" * 100_000,
+    ],
+)
 def test_hostile_answers_are_bounded_work(hostile):
     import time
 
@@ -168,8 +180,32 @@ def test_checker_fuzz_never_raises():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    pieces = st.sampled_from(["\\frac{", "}{", "}", "\\boxed{", "####", "answer is", "e", "E-", "/", " ", ",",
-                              ".", "-", "$", "%", "\\text{", "1", "9", "0", "12", "3/4", "1e5"])
+    pieces = st.sampled_from(
+        [
+            "\\frac{",
+            "}{",
+            "}",
+            "\\boxed{",
+            "####",
+            "answer is",
+            "e",
+            "E-",
+            "/",
+            " ",
+            ",",
+            ".",
+            "-",
+            "$",
+            "%",
+            "\\text{",
+            "1",
+            "9",
+            "0",
+            "12",
+            "3/4",
+            "1e5",
+        ]
+    )
     texts = st.one_of(st.text(max_size=60), st.lists(pieces, max_size=25).map("".join))
 
     @settings(max_examples=400, deadline=None)

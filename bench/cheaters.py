@@ -1,0 +1,283 @@
+"""Cheaters against the sampling replay: how often each kind of fake work is caught, how often
+honest nodes are wrongly flagged, and what seeded sampling costs.
+
+    OMP_NUM_THREADS=1 python bench/cheaters.py --json            # every class, JSON lines
+    OMP_NUM_THREADS=1 python bench/cheaters.py --json --calibrate # + the per-position gap curve
+
+The policy is the shipped default model (2-digit addition, what the demo trains); every lease
+is ``--prompts`` prompts × G=8 samples with a fresh secret seed, sampled at the learner's
+default temperature 1 / top-p 1. The learner is a float32 ``SpotChecker`` over the policy's
+snapshot, exactly as in a run: one prefill per submission gives both the log-prob check and the
+replay of the seeded choices (``learner/spot_check.py``, ``learner/tolerances.py:PROOF``).
+
+Cheat classes (each passes the log-prob check where it can: it reports the policy's true
+log-probs of the tokens it submits, computed with one prefill):
+``all_eos`` (every completion one EOS), ``other_model`` (the untrained base model's tokens,
+sampled with the lease's own seeded noise), ``temperature_0.7``, ``top_p_0.9`` (the policy with
+another setting, seeded), ``bf16_weights`` / ``int8_weights`` (the policy's weights rounded,
+declared float32), ``replayed`` (honest completions of another lease), ``copied_answers`` (the
+right answer + EOS), ``unseeded`` (today's sampler: the right distribution, not the lease's noise).
+Honest nodes: ``fp32`` (the learner's engine) and ``bf16`` (weights and compute in bfloat16 on
+CPU, declared: checked with the bf16 row).
+
+Lines: one per class (``cheat``, ``submissions_checked``, ``detected_frac``, ``flagged_after``: the
+expected submissions until one is checked and caught at the default check fraction, and
+``p_caught_within_3``), one per honest engine (``honest``, ``samples_checked``,
+``submissions_checked``, ``false_flags``, ``position_miss_rate``), one with ``verify_cpu_frac``
+(replay CPU per submission × the check fraction / generation CPU per submission) and
+``throughput_ratio`` (seeded vs today's sampler, same batches, same run). ``--calibrate`` adds
+the curve: per-position miss rates of honest fp32/bf16 and of the weakest cheat against the gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _report import emit
+
+G = 8
+CHECK_FRACTION = 0.1  # the learner's default spot_check_fraction (learner/config.py)
+CURVE = (1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.3)
+
+
+class Lab:
+    """The policy, the learner's checker, and the nodes of every kind."""
+
+    def __init__(self, prompts: int, seed: int) -> None:
+        import torch
+
+        from echorl.actor.backend import TorchBackend
+        from echorl.actor.model import build_default_model, default_model
+        from echorl.actor.types import SamplingParams
+        from echorl.learner.spot_check import SpotChecker
+        from echorl.protocol.snapshot import state_dict_to_safetensors
+        from echorl.tasks import load_task
+
+        self.policy = TorchBackend.from_pretrained(default_model())
+        self.base = TorchBackend.from_pretrained(build_default_model(warmup=None))
+        blob = state_dict_to_safetensors(self.policy.model.state_dict())
+        self.checker = SpotChecker(self.policy.model, self.policy.tokenizer, 1.0, 1.0, lambda v: blob)
+        self.task = load_task("addition", digits=2, seed=seed)
+        self.params = SamplingParams(temperature=1.0, max_new_tokens=self.task.max_new_tokens, stop=[])
+        self.prompts = prompts
+        self.rng = random.Random(seed)
+        self.bf16 = TorchBackend(copy.deepcopy(self.policy.model).to(torch.bfloat16), self.policy.tokenizer)
+        self.bf16_weights = TorchBackend(_rounded(self.policy.model, "bf16"), self.policy.tokenizer)
+        self.int8_weights = TorchBackend(_rounded(self.policy.model, "int8"), self.policy.tokenizer)
+
+    def lease(self) -> tuple[list[Any], int]:
+        return self.task.next_prompts(self.prompts), self.rng.getrandbits(63)
+
+    def groups(self, prompts: list[Any], samples: list[list[Any]]) -> list[Any]:
+        from echorl.actor.types import RolloutGroup
+
+        enc = self.policy.encode
+        return [RolloutGroup(p.prompt_id, p.text, enc(p.text), s, 0) for p, s in zip(prompts, samples)]
+
+    def proof(self, prompts: list[Any], seed: int, top_p: float = 1.0) -> Any:
+        from echorl.learner.spot_check import SeedProof
+
+        return SeedProof(seed, top_p, {p.prompt_id: k for k, p in enumerate(prompts)}, G)
+
+    def sample(self, node: Any, prompts: list[Any], seed: int | None, **change: Any) -> list[list[Any]]:
+        texts = [p.text for p in prompts]
+        return node.generate(
+            texts, G, replace(self.params, **change), seed=self.rng.getrandbits(32), sampling_seed=seed
+        )
+
+    def true_logprobs(self, prompts: list[Any], completions: list[list[list[int]]]) -> list[list[Any]]:
+        """Samples of the given token ids carrying the policy's log-probs (one prefill each)."""
+        import torch
+
+        from echorl.actor.types import Sample
+
+        out = []
+        for p, group in zip(prompts, completions):
+            ids = self.policy.encode(p.text)
+            row = []
+            for toks in group:
+                with torch.inference_mode():
+                    logits = self.policy.model(input_ids=torch.tensor([ids + toks])).logits[0, :-1].float()
+                lp = torch.log_softmax(logits, -1)[len(ids) - 1 :].gather(-1, torch.tensor(toks)[:, None])
+                row.append(Sample(list(toks), [min(0.0, x) for x in lp.squeeze(-1).tolist()], "stop", ""))
+            out.append(row)
+        return out
+
+
+def _rounded(model: Any, how: str) -> Any:
+    """A float32 copy of ``model`` whose weights are rounded to bf16 or to per-row int8."""
+    import torch
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            if how == "bf16":
+                p.copy_(p.to(torch.bfloat16).float())
+            elif p.dim() == 2:
+                scale = p.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+                p.copy_((p / scale).round().clamp(-127, 127) * scale)
+    return m
+
+
+def _tokens(samples: list[list[Any]]) -> list[list[list[int]]]:
+    return [[list(s.token_ids) for s in g] for g in samples]
+
+
+def cheat(lab: Lab, name: str, prompts: list[Any], seed: int) -> list[list[Any]]:
+    """The samples a node of class ``name`` submits for a lease (prompts, seed)."""
+    eos = lab.policy.tokenizer.eos_token_id
+    if name == "all_eos":
+        return lab.true_logprobs(prompts, [[[eos]] * G for _ in prompts])
+    if name == "copied_answers":
+        return lab.true_logprobs(prompts, [[lab.policy.encode(p.answer) + [eos]] * G for p in prompts])
+    if name == "other_model":
+        return lab.true_logprobs(prompts, _tokens(lab.sample(lab.base, prompts, seed)))
+    if name in ("bf16_weights", "int8_weights"):
+        node = lab.bf16_weights if name == "bf16_weights" else lab.int8_weights
+        return lab.true_logprobs(prompts, _tokens(lab.sample(node, prompts, seed)))
+    if name == "temperature_0.7":
+        return lab.true_logprobs(prompts, _tokens(lab.sample(lab.policy, prompts, seed, temperature=0.7)))
+    if name == "top_p_0.9":
+        return lab.true_logprobs(prompts, _tokens(lab.sample(lab.policy, prompts, seed, top_p=0.9)))
+    if name == "replayed":
+        return lab.sample(lab.policy, prompts, lab.rng.getrandbits(63))  # honest work of another lease
+    if name == "unseeded":
+        return lab.sample(lab.policy, prompts, None)
+    raise ValueError(name)
+
+
+CLASSES = (
+    "all_eos",
+    "other_model",
+    "temperature_0.7",
+    "top_p_0.9",
+    "bf16_weights",
+    "int8_weights",
+    "replayed",
+    "copied_answers",
+    "unseeded",
+)
+
+
+def run_class(
+    lab: Lab, name: str, leases: int, gaps: list[float] | None = None, declare: str = "float32"
+) -> dict[str, Any]:
+    detected = 0
+    for _ in range(leases):
+        prompts, seed = lab.lease()
+        groups = lab.groups(prompts, cheat(lab, name, prompts, seed))
+        res = lab.checker.check_sync(groups, 0, "torch", declare, lab.proof(prompts, seed))
+        detected += not res.sampled
+        if gaps is not None:
+            gaps.extend(lab.checker.replay_gaps(groups, 0, lab.proof(prompts, seed)) or [])
+    d = detected / leases
+    per_submission = CHECK_FRACTION * d
+    return {
+        "cheat": name,
+        "declared_dtype": declare,
+        "submissions_checked": leases,
+        "detected_frac": round(d, 4),
+        "flagged_after": round(1 / per_submission, 1) if per_submission else None,
+        "p_caught_within_3": round(1 - (1 - per_submission) ** 3, 4),
+        "p_caught_within_3_all_checked": round(1 - (1 - d) ** 3, 6),
+    }
+
+
+def run_honest(lab: Lab, kind: str, leases: int, gaps: list[float]) -> dict[str, Any]:
+    node = lab.policy if kind == "fp32" else lab.bf16
+    dtype = "float32" if kind == "fp32" else "bfloat16"
+    flags = samples = 0
+    for _ in range(leases):
+        prompts, seed = lab.lease()
+        groups = lab.groups(prompts, lab.sample(node, prompts, seed))
+        proof = lab.proof(prompts, seed)
+        res = lab.checker.check_sync(groups, 0, "torch", dtype, proof)
+        flags += not res.sampled
+        samples += sum(len(g.samples) for g in groups)
+        gaps.extend(lab.checker.replay_gaps(groups, 0, proof) or [])
+    from echorl.learner.tolerances import proof_tolerance
+
+    tol = proof_tolerance("torch", dtype)
+    return {
+        "honest": kind,
+        "samples_checked": samples,
+        "submissions_checked": leases,
+        "false_flags": flags,
+        "positions": len(gaps),
+        "position_miss_rate": round(sum(g > tol.gap for g in gaps) / max(1, len(gaps)), 6),
+        "max_gap": round(max(gaps, default=0.0), 6),
+    }
+
+
+def costs(lab: Lab, leases: int) -> dict[str, Any]:
+    """Generation CPU with and without seeded sampling (alternating, same prompts), and the
+    replay's CPU per submission."""
+    gen = {"seeded": 0.0, "plain": 0.0}
+    verify = 0.0
+    for i in range(leases):
+        prompts, seed = lab.lease()
+        order = ("seeded", "plain") if i % 2 else ("plain", "seeded")
+        for how in order:
+            t0 = time.process_time()
+            out = lab.sample(lab.policy, prompts, seed if how == "seeded" else None)
+            gen[how] += time.process_time() - t0
+            if how == "seeded":
+                groups = lab.groups(prompts, out)
+        t0 = time.process_time()
+        lab.checker.check_sync(groups, 0, "torch", "float32", lab.proof(prompts, seed))
+        verify += time.process_time() - t0
+    return {
+        "verify_cpu_frac": round(CHECK_FRACTION * verify / gen["seeded"], 4),
+        "verify_cpu_per_submission_vs_generation": round(verify / gen["seeded"], 4),
+        "throughput_ratio": round(gen["plain"] / gen["seeded"], 4),
+        "check_fraction": CHECK_FRACTION,
+        "leases": leases,
+    }
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per lease (G=8 samples each)")
+    p.add_argument("--cheat-leases", type=int, default=100)
+    p.add_argument("--honest-samples", type=int, default=10_000)
+    p.add_argument("--cost-leases", type=int, default=30)
+    p.add_argument("--calibrate", action="store_true", help="also print the per-position gap curve")
+    p.add_argument("--only", default="", help="comma-separated classes (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--declare", default="float32", help="the dtype cheaters declare (bfloat16: the loose row)")
+    p.add_argument("--honest", default="fp32,bf16", help="honest engines to run (comma-separated, or none)")
+    p.add_argument("--no-costs", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    lab = Lab(args.prompts, args.seed)
+    honest_leases = -(-args.honest_samples // (args.prompts * G))
+    curve: dict[str, list[float]] = {}
+    for kind in [k for k in args.honest.split(",") if k in ("fp32", "bf16")]:
+        curve[kind] = []
+        emit(run_honest(lab, kind, honest_leases, curve[kind]), args.json)
+    for name in [c for c in CLASSES if not args.only or c in args.only.split(",")]:
+        gaps: list[float] | None = [] if args.calibrate else None
+        emit(run_class(lab, name, args.cheat_leases, gaps, args.declare), args.json)
+        if gaps is not None:
+            curve[name] = gaps
+    if not args.no_costs:
+        emit(costs(lab, args.cost_leases), args.json)
+    if args.calibrate:
+        rows = {k: [round(sum(g > t for g in v) / max(1, len(v)), 6) for t in CURVE] for k, v in curve.items()}
+        emit({"curve_gap": list(CURVE), "position_miss_rate": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()

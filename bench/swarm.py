@@ -1,0 +1,347 @@
+"""The learner's control plane with many volunteers: N light peers against one real learner.
+
+    python bench/swarm.py --peers 100,300 --json            # N=10 (the baseline) runs first
+    python bench/swarm.py --peers 1000 --window 30 --work-s 10 --json
+
+One real learner process (``echorl learner`` as ``tests/swarm.py`` starts it, the tiny default
+model) and ``ceil(N / --per-process)`` worker processes (this script with ``--worker``), each a
+trio run holding up to ``--per-process`` peers. Every peer is a real libp2p host (its own Ed25519
+identity, TCP + Noise + yamux) listening on and dialling from its own loopback address
+(127.0.0.2, 127.0.0.3, ... across 127.0.0.0/8), so the learner sees N hosts, not one: its
+per-address caps (joins, leases, connections per address) stay out of the way as they would for
+N machines. Each peer joins (a signed ``JoinRequest``), then loops: lease (``LeaseRequest``;
+deferrals are followed as a node follows them), a fixed-cost stand-in for generation (``--work-s``
+seconds of sleep, ±20 % jitter so the peers do not march in step), a signed ``Submit`` of the
+leased prompts (``tests/swarm.py: signed_submit``, varied samples so a group is not all
+duplicates). The learner pings every peer it has not heard from for ``liveness_after_s`` (3 s):
+the peers' hosts answer those pings (libp2p ping), so the bench carries the learner's liveness
+sweep too.
+
+Exercised: connection admission (guard), Noise handshakes, join (signature, capability, roster),
+lease allotment and deferral, submission decoding, signature and checks (bounds, tokens, log-probs,
+the batch share), the buffer, receipts, the liveness pings, a paged ``Status`` read.
+Not exercised (said, not hidden): generation (a sleep stands in), spot checks and seeded sampling
+proofs (``spot_check_fraction`` 0, ``--no-sampling-proofs``: a spot check reruns the model, which
+is compute and not control plane; fabricated samples would fail it), training steps and
+publication (``prompts_per_step`` is larger than what a window submits, so no step is taken and no
+plan is built or announced: ``plan_build_s`` and ``announce_bytes`` are not measured here).
+
+Per N, one JSON line: ``peers``, ``joined``, ``join_s`` (all joins), ``leases_per_s``,
+``deferrals_per_s``, ``submits_per_s`` (accepted), ``lease_p50_ms``, ``lease_p99_ms``,
+``submit_p50_ms``, ``submit_p99_ms``, ``cpu_ms_per_submission`` (the learner process's user+system
+CPU over the window, from /proc, per accepted submission), ``learner_cpu_share`` (of one core),
+``cpu_ms_per_submission_net`` (the same, less the learner's CPU with no peer joined,
+``learner_idle_cpu_share``, measured for ``--idle-s`` before the peers start: at N=10 the fixed
+background is most of the figure), ``learner_rss_mb``, ``status_ms`` (every page of a ``Status``
+read), ``peers_cpu_share``, ``errors`` (by kind), and, from the N=10 run of the same invocation,
+``*_vs_10`` ratios. ``loadavg`` is recorded: the
+2-core machine is shared (the peers' own processes run on the same cores as the learner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the process swarm and the hostile doubles' join
+
+from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+from hostile import RUN, join  # noqa: E402
+from swarm import Swarm, signed_submit  # noqa: E402
+
+from echorl.net.host import HostConfig, RemoteError, open_host  # noqa: E402
+from echorl.protocol import routes  # noqa: E402
+from echorl.protocol.identity import Identity  # noqa: E402
+from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest  # noqa: E402
+
+#: the learner's settings: no spot checks or seeded proofs (compute, not control plane), a batch no
+#: window fills (no training step, no publication), small leases and groups (decode cost per message
+#: stays a control-plane figure), no DHT (the peers bootstrap from the learner)
+LEARNER = {
+    "eval_every": 10**9,
+    "steps": 0,
+    "checkpoint_dir": "none",
+    "spot_check_fraction": 0.0,
+    "sampling_proofs": False,
+    "dht": False,
+    "prompts_per_step": 100_000,
+    "prompts_per_lease": 2,
+    "group_size": 2,
+    "staleness": 2,
+}
+JITTER = 0.2  # ± share of --work-s per lease, so N peers do not submit in lockstep
+
+
+def loopback(i: int) -> str:
+    """Peer ``i``'s own address in 127.0.0.0/8 (127.0.0.2 on; 127.0.0.1 is the learner's)."""
+    i += 2
+    return f"127.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}" if i < 2**24 - 1 else "127.0.0.1"
+
+
+def bind_dials(host: Any, ip: str) -> None:
+    """Make ``host``'s TCP dials leave from ``ip`` (py-libp2p dials from the kernel's choice,
+    127.0.0.1 on loopback): the learner then counts this peer as its own address."""
+    for transport in host.libp2p.get_network().transport_manager.get_transports():
+        with_source = getattr(transport, "dial_with_source", None)
+        if callable(with_source):
+            transport.dial = lambda maddr, _f=with_source: _f(maddr, (ip, 0))
+
+
+# --- worker process: many peers in one trio run ------------------------------------------------
+async def one_peer(i: int, args: argparse.Namespace, events: list, joined: list, stop: trio.Event) -> None:
+    me, ip = Identity.generate(), loopback(i)
+    rng = random.Random(i)
+    try:
+        async with open_host(me, HostConfig(listen=f"/ip4/{ip}/tcp/0")) as host:
+            bind_dials(host, ip)
+            while True:  # as a node does: a join that failed (a handshake or dial-back deadline) is retried
+                try:
+                    await host.connect(args.addr)
+                    await join(host, args.learner, me)
+                    break
+                except Exception as exc:
+                    events.append(("join_error:" + why(exc), time.time(), 0.0))
+                    await trio.sleep(1.0 + rng.random())
+            joined.append(i)
+            version = 2**40
+            while not stop.is_set():
+                t = time.perf_counter()
+                try:
+                    req = LeaseRequest(run_id=RUN, version=version, max_prompts=LEARNER["prompts_per_lease"])
+                    reply = await host.request(args.learner, routes.LEASE, req, expect=(Lease, LeaseDeferred))
+                except Exception as exc:  # counted, then retried
+                    events.append(("lease_error:" + why(exc), time.time(), 0.0))
+                    await trio.sleep(1.0)
+                    continue
+                lat = time.perf_counter() - t
+                if isinstance(reply, LeaseDeferred):
+                    events.append(("deferred", time.time(), lat))
+                    version = reply.want_version if reply.want_version >= 0 else version
+                    await trio.sleep(max(0.05, min(reply.retry_after_s, 5.0)))
+                    continue
+                events.append(("lease", time.time(), lat))
+                await trio.sleep(args.work_s * (1 + JITTER * (2 * rng.random() - 1)))  # the stand-in
+                msg = signed_submit(me, reply, version, vary=True)
+                t = time.perf_counter()
+                try:
+                    await host.request(args.learner, routes.SUBMIT, msg)
+                    events.append(("submit", time.time(), time.perf_counter() - t))
+                except Exception as exc:
+                    events.append(("submit_error:" + why(exc), time.time(), 0.0))
+    except Exception as exc:
+        events.append(("peer_error:" + why(exc), time.time(), 0.0))
+
+
+def why(exc: Exception) -> str:
+    """An error's kind for the counts: the learner's refusal code, else the exception's type."""
+    return exc.code.value if isinstance(exc, RemoteError) else type(exc).__name__
+
+
+async def worker(args: argparse.Namespace) -> None:
+    events: list = []
+    joined: list = []
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for i in range(args.first, args.first + args.count):
+            nursery.start_soon(one_peer, i, args, events, joined, stop)
+            await trio.sleep(args.stagger_s)  # spread the handshakes
+        with trio.move_on_after(args.join_timeout):
+            while len(joined) < args.count:
+                await trio.sleep(0.2)
+        print(json.dumps({"joined": len(joined)}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)  # until the parent closes it
+        stop.set()
+        nursery.cancel_scope.cancel()
+    print(json.dumps({"events": events}), flush=True)
+
+
+# --- the parent: one learner, the workers, the figures -----------------------------------------
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def proc_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def read_status(addr: str, learner: str) -> tuple[float, int]:
+    """Seconds to read every page of the learner's Status, and the peers it lists."""
+    async with open_host(Identity.generate()) as host:
+        await host.connect(addr)
+        t, cursor, peers = time.perf_counter(), 0, 0
+        while cursor is not None:
+            st = await host.request(learner, routes.STATUS, StatusRequest(cursor=cursor), expect=Status)
+            peers += len(st.peers)
+            cursor = st.next_cursor
+        return time.perf_counter() - t, peers
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def run_one(n: int, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="echorl-swarm-") as d:
+        tmp = Path(d)
+        (tmp / "learner.json").write_text(json.dumps(LEARNER))
+        swarm = Swarm(tmp)
+        workers: list[subprocess.Popen] = []
+        try:
+            addr = swarm.start_learner("--config", str(tmp / "learner.json"))
+            learner = addr.rsplit("/p2p/", 1)[1]
+            time.sleep(args.settle_s)  # start-up work done, then the learner's CPU with no peer: its background
+            idle_t, idle0 = time.monotonic(), proc_cpu_s(swarm.learner.pid)
+            time.sleep(args.idle_s)
+            idle_share = (proc_cpu_s(swarm.learner.pid) - idle0) / (time.monotonic() - idle_t)
+            t_join = time.monotonic()
+            for first in range(0, n, args.per_process):
+                cmd = [sys.executable, __file__, "--worker", "--addr", addr, "--learner", learner]
+                cmd += ["--first", str(first), "--count", str(min(args.per_process, n - first))]
+                cmd += ["--work-s", str(args.work_s), "--join-timeout", str(args.join_timeout)]
+                cmd += ["--stagger-s", str(args.stagger_s)]
+                workers.append(
+                    subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=swarm_env())
+                )
+            joined = sum(json.loads(w.stdout.readline() or '{"joined": 0}')["joined"] for w in workers)
+            join_s = time.monotonic() - t_join
+            say = f"swarm: {joined}/{n} joined in {join_s:.1f} s; measuring {args.window:g} s"
+            print(say, file=sys.stderr, flush=True)
+            time.sleep(args.warmup)
+            pid = swarm.learner.pid
+            t0, cpu0, load0 = time.time(), proc_cpu_s(pid), os.getloadavg()
+            peers_cpu0 = sum(proc_cpu_s(w.pid) for w in workers)
+            time.sleep(args.window)
+            t1, cpu1 = time.time(), proc_cpu_s(pid)
+            peers_cpu = sum(proc_cpu_s(w.pid) for w in workers) - peers_cpu0
+            rss = proc_rss_mb(pid)
+            try:  # a dial under a starved learner can miss its deadline: said, not fatal
+                status_s, status_peers = trio.run(read_status, addr, learner)
+            except Exception as exc:
+                status_s, status_peers = float("nan"), -1
+                print(f"swarm: status read failed: {exc}", file=sys.stderr, flush=True)
+            events: list = []
+            for w in workers:
+                w.stdin.close()
+            for w in workers:
+                for line in w.stdout:
+                    if line.startswith('{"events"'):
+                        events += json.loads(line)["events"]
+                w.wait(timeout=60)
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+            swarm.stop()
+    inside = [(k, lat) for k, t, lat in events if t0 <= t <= t1]
+    lease = [lat for k, lat in inside if k == "lease"]
+    submit = [lat for k, lat in inside if k == "submit"]
+    window = t1 - t0
+    errors = Counter(k for k, _ in inside if "error" in k)
+    ms = 1e3
+    return {
+        "bench": "swarm",
+        "peers": n,
+        "joined": joined,
+        "join_s": round(join_s, 2),
+        "window_s": round(window, 1),
+        "work_s": args.work_s,
+        "leases_per_s": round(len(lease) / window, 2),
+        "deferrals_per_s": round(sum(k == "deferred" for k, _ in inside) / window, 2),
+        "submits_per_s": round(len(submit) / window, 2),
+        "lease_p50_ms": round(pct(lease, 0.5) * ms, 2),
+        "lease_p99_ms": round(pct(lease, 0.99) * ms, 2),
+        "submit_p50_ms": round(pct(submit, 0.5) * ms, 2),
+        "submit_p99_ms": round(pct(submit, 0.99) * ms, 2),
+        "cpu_ms_per_submission": round((cpu1 - cpu0) * ms / max(1, len(submit)), 3),
+        # net of the learner's CPU with no peer at all (its timers, metrics rows): what the peers cost it
+        "cpu_ms_per_submission_net": round(max(0.0, cpu1 - cpu0 - idle_share * window) * ms / max(1, len(submit)), 3),
+        "learner_cpu_share": round((cpu1 - cpu0) / window, 3),
+        "learner_idle_cpu_share": round(idle_share, 3),
+        "peers_cpu_share": round(peers_cpu / window, 3),  # the worker processes, all together
+        "worker_processes": len(workers),
+        "learner_rss_mb": round(rss, 1),
+        "status_ms": round(status_s * ms, 1),
+        "status_peers": status_peers,
+        "errors": dict(errors),
+        "loadavg": [round(x, 2) for x in load0],
+    }
+
+
+def swarm_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+RATIOS = (
+    "lease_p50_ms",
+    "lease_p99_ms",
+    "submit_p99_ms",
+    "cpu_ms_per_submission",
+    "cpu_ms_per_submission_net",
+    "learner_rss_mb",
+    "status_ms",
+)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers", default="100", help="comma-separated N (N=10, the baseline, always runs first)")
+    p.add_argument("--window", type=float, default=20.0, help="seconds measured per N, after every peer joined")
+    p.add_argument("--settle-s", type=float, default=15.0, help="seconds after the learner starts before --idle-s")
+    p.add_argument("--idle-s", type=float, default=5.0, help="seconds the learner's CPU is measured with no peer")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds after the joins before the window")
+    p.add_argument("--work-s", type=float, default=5.0, help="the generation stand-in per lease (seconds)")
+    p.add_argument("--per-process", type=int, default=50, help="peers per worker process")
+    p.add_argument("--join-timeout", type=float, default=120.0)
+    p.add_argument("--stagger-s", type=float, default=0.01, help="pause between starting two peers of a worker")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--addr", help=argparse.SUPPRESS)
+    p.add_argument("--learner", help=argparse.SUPPRESS)
+    p.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        trio.run(worker, args)
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # inherited by the learner and the workers
+    sizes = [10] + [n for n in (int(x) for x in args.peers.split(",") if x) if n != 10]
+    base: dict = {}
+    for n in sizes:
+        out = run_one(n, args)
+        if n == 10:
+            base = out
+        for key in RATIOS:
+            b = base.get(key)
+            if b and not math.isnan(b) and n != 10:
+                out[f"{key}_vs_10"] = round(out[key] / b, 2)
+        emit(out, args.json)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

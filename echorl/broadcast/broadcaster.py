@@ -1,0 +1,518 @@
+"""Log-depth pipelined weight broadcast (architecture §5, §6): the learner side and the shared core.
+
+Integration contract
+--------------------
+Learner (one per run)::
+
+    bc = Broadcaster(host, identity, run_id, fanout=4, chunk_bytes=None,  # None: auto_chunk_bytes
+                     full_every=10, upload_limit=UploadLimiter.from_mbps(mbps),  # or bytes/s, or None
+                     shape="striped", direct=True, retain=S)  # keep versions ≥ newest − S rebuildable
+    bc.install()                                   # routes on the learner's Host
+    await nursery.start(bc.run)                    # the direct TCP chunk port (optional)
+    report = await bc.publish(version, safetensors_bytes,
+                              nodes=[NodeInfo(peer_id, reachable, addrs), ...],  # or (id, reachable, addrs) tuples
+                              timeout=None)        # floor of the scaled wait (done_deadline)
+    # -> BroadcastReport(version, seconds, bytes, kind, ...): seconds = announce → last node
+    #    verified; bytes = payload bytes (delta or full); kind = "full" | "delta"
+    bc.version_bytes(version)                      # a held version's safetensors file (spot checks;
+                                                   # pure computation: call it in a worker thread)
+
+``publish`` builds the payload (a delta against the previous published version, a full snapshot
+every ``full_every`` versions or when the tensor layout changes), signs a manifest and a plan
+announcement, announces it to every node (direct small requests, not gossip: gossipsub drops
+silently, architecture §9), serves its stripe roots, and returns when every node reported the version
+verified or ``timeout`` passed. Nodes that did not answer the announce or never reported done
+are in ``report.missing``; parents that nodes reported (bad chunk, stall) are in
+``report.suspects`` and become leaves (if they completed) or are dropped (if they did not) in
+the next plan. A node reported while alive is only demoted, for ``demote_for`` publications: a
+lying child cannot evict a peer. ``BroadcastDone`` is accepted only from a member of that
+version's plan, and only its own plan parents count as its suspects. Training never waits on one
+member: once half of the announced nodes completed, the rest get ``straggler_factor`` × the time
+that took (at least ``straggler_floor_s``, a few seconds: the next version is not published
+before this wait ends, so it is what one silent member costs); a live member that still has not
+reported is left out of the next 2^k plans (k: its misses in a row), and fetches versions by
+catch-up meanwhile. A member that has never reported any version is left out of the next
+2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
+While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
+waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
+so consecutive versions use the same edges and reuse connections.
+
+Node: see ``broadcast/relay.py`` (``Relay(host, learner_peer_id, run_id, on_version=...)``,
+``install()``, ``await run()`` in a nursery, ``await catch_up()``).
+
+The learner holds each published version once, on disk, in the store both ends use
+(``broadcast/store.py``: one payload file per version, ``store_dir``, a temporary directory by
+default, and a chunk cache of ``cache_bytes``): the versions in flight and the held chain (newest
+full snapshot + deltas, and older runs while a version within ``retain`` of the newest needs them).
+The same chunks serve the plan streams, recovery, catch-up and a node's direct fetch (a catch-up
+from the learner alone); ``version_bytes`` rebuilds any held version for the spot checker.
+
+Protocols: ``protocol/routes.py`` (all libp2p; chunk streams are raw framed streams, the rest
+request/response)::
+
+    /echorl/bcast/announce/1  PlanAnnounce -> BroadcastAck            learner -> node
+    /echorl/bcast/stream/1    Subscribe, then Chunk frames            child dials parent
+    /echorl/bcast/chunk/1     ChunkRequest -> Chunk                   any holder (recovery, catch-up)
+    /echorl/bcast/catchup/1   CatchUpRequest -> CatchUp               any holder (late joiner, fallback)
+    /echorl/bcast/done/1      BroadcastDone -> BroadcastAck           node -> learner
+    /echorl/bcast/ticket/1    Subscribe -> StreamTicket               child -> parent (direct path)
+
+Direct path (optional, ``direct=True``, on by default; ``net/transport/direct_tcp.py``): the
+child asks its parent for a ticket over libp2p (authenticated), dials the parent's plain TCP
+chunk port on the IP of that libp2p connection, sends the ticket's 16-byte proof, and reads the
+same ``Chunk`` frames; chunks are verified against the signed manifest exactly as on libp2p. It
+skips Noise + yamux (~16 CPU-s/GB) for raw TCP (<1 CPU-s/GB). If the ticket or the dial fails,
+the child falls back to the libp2p chunk stream (``net/transport/paths.py`` picks the path).
+The direct port listens while ``run()`` runs (``Broadcaster.run`` on the learner, ``Relay.run``
+on a node).
+
+Serialisation, hashing, delta encoding/application run in worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from echorl.broadcast.chunk_server import ChunkServer, _as_limiter
+from echorl.broadcast.deadlines import Deadlines, upload_copies
+from echorl.broadcast.files import mapped, write_at
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
+from echorl.net.host import Host, PeerUnavailable, RequestContext
+from echorl.net.ratelimit import RateLimit
+from echorl.net.transport import UploadLimiter, listen_ip
+from echorl.protocol import delta as delta_mod
+from echorl.protocol import snapshot, wire
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import Identity, short_id
+from echorl.protocol.messages import (
+    AdapterSpec,
+    BroadcastAck,
+    BroadcastDone,
+    Manifest,
+    Message,
+    PlanAnnounce,
+    PlanMember,
+)
+from echorl.protocol.plan import BroadcastPlan, auto_chunk_bytes
+from echorl.protocol.routes import ANNOUNCE, DONE
+
+log = logging.getLogger("echorl.broadcast.broadcaster")
+
+MAX_SILENT_DOUBLINGS = 6  # a silent member sits out at most 2^6 plans in a row
+MAX_REMEMBERED_REPORTERS = 65_536
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    peer_id: str
+    reachable: bool = True
+    addrs: tuple[str, ...] = ()
+    leaf: bool = False  # forwards nothing in this plan (the learner's newcomers that never worked)
+
+
+@dataclass
+class BroadcastReport:
+    version: int
+    seconds: float  # announce sent → last node reported the version verified
+    bytes: int  # payload bytes (the delta's, or the full snapshot's)
+    kind: str  # "full" | "delta"
+    result_bytes: int = 0  # size of the version's safetensors file
+    build_seconds: float = 0.0  # delta encoding + hashing + signing, before the announce
+    depth: int = 0
+    nodes: int = 0
+    completed: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    suspects: list[str] = field(default_factory=list)
+    recovered_chunks: int = 0
+    node_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Broadcaster:
+    """The learner's publisher. ``upload_limit``: an ``UploadLimiter`` or bytes/s (None = no cap)."""
+
+    def __init__(
+        self,
+        host: Host,
+        identity: Identity,
+        run_id: str,
+        *,
+        fanout: int = 4,
+        chunk_bytes: int | None = None,
+        full_every: int = 10,
+        upload_limit: UploadLimiter | float | None = None,
+        shape: str = "striped",
+        announce_timeout_s: float = 10.0,
+        done_timeout_s: float = 0.0,
+        keep: int = 3,
+        direct: bool = True,
+        seed: int = 0,
+        liveness_every_s: float = 2.0,
+        liveness_misses: int = 2,
+        retain: int = 0,
+        straggler_factor: float = 3.0,
+        straggler_floor_s: float = 3.0,
+        demote_for: int = 8,
+        deadlines: Deadlines | None = None,
+        store_dir: Path | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        fetch_limit: RateLimit | None = None,
+        nat_push: bool = True,
+        incarnation: bytes | None = None,
+        admit: Callable[[str], bool] | None = None,
+        adapter: AdapterSpec | None = None,
+    ) -> None:
+        if identity.peer_id != host.peer_id:
+            raise ValueError("the broadcaster signs with the host's identity")
+        self.host = host
+        self.identity = identity
+        # signed into every manifest: new per learner process, so a resumed learner's versions
+        # are never mistaken for an abandoned branch's under the same numbers
+        self.incarnation = incarnation if incarnation is not None else secrets.token_bytes(16)
+        self.run_id = run_id
+        self.adapter = adapter  # set: every version is a LoRA adapter over the base it names
+        self.fanout = fanout
+        self.chunk_bytes = chunk_bytes  # None: per version, from its size and the members (auto_chunk_bytes)
+        self.full_every = max(1, full_every)
+        self.shape = shape
+        self.nat_push = nat_push  # NAT'd nodes relay by pushing to reachable children (broadcast/push.py)
+        self.liveness_every_s = liveness_every_s
+        self.liveness_misses = liveness_misses
+        self.seed = seed  # fixed: the same members give the same plan, so connections are reused
+        self.announce_timeout_s = announce_timeout_s  # floors: the deadlines scale up from them
+        self.done_timeout_s = done_timeout_s
+        self.deadlines = deadlines or Deadlines()
+        self.limiter = _as_limiter(upload_limit)
+        self.server = ChunkServer(
+            host,
+            run_id,
+            self.limiter,
+            keep=keep,
+            retain=retain,
+            direct=direct,
+            deadlines=self.deadlines,
+            store=WeightStore(store_dir, cache_bytes),
+            fetch_limit=fetch_limit,
+            admit=admit,  # the learner: catch-up and chunk requests from joined peers only
+        )
+        # (version, its safetensors file) last published; the file only for a delta (a full
+        # snapshot's file is its payload in the chain): the next delta's base, read through
+        # mmap, so no version's bytes stay in the learner's memory between publications
+        self._prev: tuple[int, Path | None] | None = None
+        self._since_full = 0
+        self._done: dict[int, dict[str, BroadcastDone]] = {}
+        self._done_changed = trio.Event()
+        self.straggler_factor = straggler_factor
+        self.straggler_floor_s = straggler_floor_s
+        self.demote_for = demote_for
+        self._plans: dict[int, Any] = {}  # version -> its BroadcastPlan (who may report, and about whom)
+        self._n_pub = 0  # publications so far: demotions and exclusions count in publications
+        self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
+        self._silent: dict[
+            str, tuple[int, int]
+        ] = {}  # live member that never reported: (misses in a row, left out until publication)
+        self._reported: OrderedDict[str, None] = OrderedDict()  # members that reported some version (LRU-bounded)
+        self._drop: set[str] = set()  # reported and did not complete: left out next time
+
+    def install(self) -> None:
+        self.server.install_serving()
+        # reports are read only from members of a plan in flight (checked before the body is read)
+        self.host.serve({DONE: self._on_done}, admit={DONE: self.server.in_a_plan})
+
+    def metrics(self) -> dict[str, int]:
+        """The learner's serving refusals: chunk and catch-up requests (``ChunkServer.counters``)
+        and inbound connections (libp2p's and the direct port's guards)."""
+        refused = self.host.guard.refused + self.server.direct_guard.refused
+        return {**self.server.counters, "connections_refused": refused}
+
+    def version_bytes(self, version: int) -> bytes | None:
+        """A held version's safetensors file (None if no longer held). Thread-safe; may apply
+        deltas: call it in a worker thread."""
+        prev = self._prev
+        if prev is not None and prev[0] == version and prev[1] is not None:
+            with self.server.store.reading(prev[1]):
+                try:
+                    return prev[1].read_bytes()
+                except OSError:
+                    return None
+        return self.server.chain.version_bytes(version)
+
+    @contextmanager
+    def _base_of_next_delta(self) -> Iterator[Any]:
+        """The last published version's safetensors file, memory-mapped (read by the page cache,
+        not copied into this process), or None when it is not held as one file."""
+        prev = self._prev
+        path = None if prev is None else prev[1] or self._full_payload(prev[0])
+        if path is None:
+            yield None
+            return
+        with self.server.store.reading(path), ExitStack() as stack:
+            try:
+                view = stack.enter_context(mapped(path))
+            except (OSError, ValueError):
+                view = None
+            yield view
+
+    def _full_payload(self, version: int) -> Path | None:
+        for m, path, _ in self.server.chain.entries:
+            if m.version == version and m.kind == "full":
+                return path
+        return None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Background service (the direct TCP chunk port); ``await nursery.start(bc.run)``."""
+        if not self.server.direct:
+            task_status.started()
+            await trio.sleep_forever()
+        await self.server.serve_direct(listen_ip(self.host), task_status=task_status)
+
+    def announce_deadline(self, manifest: Manifest, members: int) -> float:
+        """Seconds one announce may take: it carries the manifest and the member list."""
+        nbytes = snapshot.manifest_wire_bytes(manifest) + 1100 * members
+        return max(self.announce_timeout_s, self.deadlines.for_bytes(nbytes))
+
+    def done_deadline(self, manifest: Manifest, plan: BroadcastPlan, timeout: float | None = None) -> float:
+        """Seconds to wait for every node's ``BroadcastDone``: the version's payload through the
+        plan's busiest upload and depth (``Deadlines``), or longer if ``timeout`` (else
+        ``done_timeout_s``) says so."""
+        floor = self.done_timeout_s if timeout is None else timeout
+        nbytes = int(manifest.payload_bytes * upload_copies(plan))
+        return max(floor, self.deadlines.for_bytes(nbytes, hops=max(1, plan.depth)))
+
+    async def _probe(self, pending: set[str], gone: set[str], failures: dict[str, int]) -> None:
+        """Ping the nodes still pending; one that misses ``liveness_misses`` pings in a row is
+        dead and not waited for (a loaded but live node answers a ping within seconds)."""
+
+        async def one(peer: str) -> None:
+            try:
+                await self.host.ping(peer, timeout=max(5.0, self.liveness_every_s))
+                failures.pop(peer, None)
+            except PeerUnavailable:
+                failures[peer] = failures.get(peer, 0) + 1
+                if failures[peer] >= self.liveness_misses:
+                    gone.add(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in pending:
+                nursery.start_soon(one, peer)
+
+    async def _on_done(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, BroadcastDone)
+        if msg.run_id != self.run_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "other run")
+        per, plan = self._done.get(msg.version), self._plans.get(msg.version)
+        if per is not None and plan is not None and ctx.peer_id not in plan.peers:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"not a member of the v{msg.version} plan")
+        if per is not None and ctx.peer_id not in per:
+            parents = {st.parent_of().get(ctx.peer_id) for st in plan.stripes} if plan is not None else set()
+            per[ctx.peer_id] = msg.model_copy(update={"suspects": [p for p in msg.suspects if p in parents]})
+            self._done_changed.set()
+            self._done_changed = trio.Event()
+        return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
+
+    def _benched(self, peer_id: str) -> bool:
+        return self._silent.get(peer_id, (0, -1))[1] >= self._n_pub
+
+    def _note_silent(self, version: int, silent: set[str], reported: set[str]) -> None:
+        """Members that answered the announce (and pings) but never reported: left out of the next
+        2^k plans, k their misses in a row; a report clears the record."""
+        for p in reported:
+            self._silent.pop(p, None)
+            self._reported[p] = None
+            self._reported.move_to_end(p)
+        while len(self._reported) > MAX_REMEMBERED_REPORTERS:
+            self._reported.popitem(last=False)
+        for p in silent:
+            misses = self._silent.get(p, (0, 0))[0] + 1 if p in self._reported else MAX_SILENT_DOUBLINGS
+            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, MAX_SILENT_DOUBLINGS) - 1)
+            log.info(
+                "v%d: %s never reported done; left out of the next %d plans",
+                version,
+                p[:16],
+                2 ** min(misses, MAX_SILENT_DOUBLINGS),
+            )
+
+    async def _build(self, version: int, data: bytes, n_members: int) -> tuple[Manifest, bytes]:
+        prev = self._prev
+
+        def build() -> tuple[Manifest, bytes]:
+            payload, kind, base = data, "full", -1
+            if prev is not None and self._since_full + 1 < self.full_every:
+                with self._base_of_next_delta() as base_file:
+                    try:
+                        d = None if base_file is None else delta_mod.encode_delta(base_file, data)
+                    except ValueError:  # layout changed: full snapshot
+                        d = None
+                if d is not None and len(d) < len(data):
+                    payload, kind, base = d, "delta", prev[0]
+            chunk_bytes = self.chunk_bytes or auto_chunk_bytes(len(payload), n_members, self.fanout)
+            manifest, _ = snapshot.build_manifest(
+                self.identity,
+                self.run_id,
+                version,
+                prev[0] if prev else -1,
+                payload,
+                data,
+                kind=kind,
+                base_version=base,
+                chunk_bytes=chunk_bytes,
+                incarnation=self.incarnation,
+                adapter=self.adapter,
+            )
+            return manifest, payload
+
+        return await trio.to_thread.run_sync(build)
+
+    async def _signed_announce(
+        self, version: int, manifest: Manifest, members: list[PlanMember], shape: str | None, seed: int | None
+    ) -> tuple[PlanAnnounce, bytes]:
+        """The plan announcement, signed and encoded once for every member, in a worker thread
+        (validating, signing and encoding a large member list is not event-loop work)."""
+        learner_addrs = self.host.addrs[:16]
+
+        def build() -> tuple[PlanAnnounce, bytes]:
+            ann = wire.sign(
+                PlanAnnounce(
+                    run_id=self.run_id,
+                    learner_peer_id=self.identity.peer_id,
+                    version=version,
+                    manifest=manifest,
+                    shape=shape or self.shape,
+                    fanout=self.fanout,
+                    seed=self.seed if seed is None else seed,
+                    learner_addrs=learner_addrs,
+                    members=members,
+                    created_at=time.time(),
+                ),
+                self.identity,
+            )
+            return ann, wire.encode(ann)
+
+        return await trio.to_thread.run_sync(build)
+
+    async def publish(
+        self,
+        version: int,
+        safetensors_bytes: bytes,
+        nodes: Iterable[NodeInfo | tuple],
+        *,
+        timeout: float | None = None,
+        shape: str | None = None,
+        seed: int | None = None,
+    ) -> BroadcastReport:
+        """Publish ``version`` to ``nodes`` and wait until each verified it (or ``timeout``)."""
+        if self._prev is not None and version <= self._prev[0]:
+            raise ValueError(f"version {version} is not newer than {self._prev[0]}")
+        nodes = [n if isinstance(n, NodeInfo) else NodeInfo(n[0], bool(n[1]), tuple(n[2])) for n in nodes]
+        t_build = time.perf_counter()
+        manifest, payload = await self._build(version, safetensors_bytes, len(nodes))
+        build_seconds = time.perf_counter() - t_build
+        self._since_full = 0 if manifest.kind == "full" else self._since_full + 1
+        result = None
+        if manifest.kind == "delta":  # its result is no payload: kept as a file, the next base
+            result = self.server.store.new_path(version, "safetensors")
+            await trio.to_thread.run_sync(write_at, result, 0, safetensors_bytes)
+        self._prev = (version, result)
+        self.server.pinned = set() if result is None else {result}
+
+        members = []
+        for n in nodes:
+            if n.peer_id in self._drop or n.peer_id == self.host.peer_id or self._benched(n.peer_id):
+                continue
+            demoted = n.leaf or self._demote.get(n.peer_id, -1) >= self._n_pub
+            pushes = True if self.nat_push and not n.reachable and not demoted else None
+            members.append(
+                PlanMember(
+                    peer_id=n.peer_id, reachable=n.reachable and not demoted, addrs=list(n.addrs)[:16], pushes=pushes
+                )
+            )
+            if n.addrs:
+                self.host.add_peer_addrs(n.peer_id, list(n.addrs))
+        self._drop.clear()
+        ann, encoded = await self._signed_announce(version, manifest, members, shape, seed)
+        state = VersionState(ann, self.host.peer_id, self.server.store)
+        await state.fill(payload)  # the store's file: served from disk through the chunk cache
+        del payload
+        self.server.add_state(state)
+        self.server.chain.hold(manifest, state.path)
+        await self.server.collect()
+        self._done[version] = {}
+        self._plans[version] = state.plan
+        while len(self._done) > 8:
+            self._plans.pop(next(iter(self._done)), None)
+            self._done.pop(next(iter(self._done)))
+
+        t0 = time.perf_counter()
+        announced: set[str] = set()
+
+        async def announce(m: PlanMember) -> None:
+            try:
+                await self.host.request(
+                    m.peer_id,
+                    ANNOUNCE,
+                    encoded,
+                    expect=BroadcastAck,
+                    timeout=self.announce_deadline(manifest, len(members)),
+                )
+                announced.add(m.peer_id)
+            except (PeerUnavailable, ProtocolError) as exc:
+                log.info("announce v%d to %s failed: %s", version, short_id(m.peer_id), exc)
+
+        async with trio.open_nursery() as nursery:
+            for m in members:
+                nursery.start_soon(announce, m)
+        done = self._done[version]
+        gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
+        failures: dict[str, int] = {}
+        with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
+            while not (announced - gone).issubset(done):
+                if 2 * len(done) >= len(announced - gone) and whole.deadline > (
+                    cut := trio.current_time()
+                    + max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
+                ):
+                    whole.deadline = cut  # half are done: the rest get a bounded wait, set once
+                with trio.move_on_after(self.liveness_every_s):
+                    await self._done_changed.wait()
+                    continue
+                await self._probe(announced - gone - set(done), gone, failures)
+        seconds = time.perf_counter() - t0
+        self._n_pub += 1
+        self._note_silent(version, announced - gone - set(done), set(done))
+
+        completed = sorted(p for p, d in done.items() if d.ok)
+        if completed and len(completed) == len(members):
+            self.deadlines.meter.add(manifest.payload_bytes, seconds)
+        suspects = sorted({s for d in done.values() for s in d.suspects})
+        missing = sorted(m.peer_id for m in members if m.peer_id not in completed)
+        for s in suspects:
+            if s in completed:
+                self._demote[s] = self._n_pub + self.demote_for - 1
+            else:
+                self._drop.add(s)
+        self._drop |= gone - set(
+            completed
+        )  # dead: left out of the next plan (the caller's node set may re-add them later)
+        return BroadcastReport(
+            version=version,
+            seconds=seconds,
+            bytes=manifest.payload_bytes,
+            kind=manifest.kind,
+            result_bytes=manifest.result_bytes,
+            build_seconds=build_seconds,
+            depth=state.plan.depth,
+            nodes=len(members),
+            completed=completed,
+            missing=missing,
+            suspects=suspects,
+            recovered_chunks=sum(d.recovered_chunks for d in done.values()),
+            node_seconds={p: d.seconds for p, d in done.items()},
+        )

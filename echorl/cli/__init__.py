@@ -1,0 +1,1 @@
+"""The command-line roof: one ``echorl`` console entry (``main.py``), a subcommand per role."""

@@ -1,0 +1,8 @@
+"""The basement every role may import; it imports no other echorl package and no torch at import.
+
+- ``config.py``: ``Section`` (typed settings → flags, TOML ``--config``, ``--print-config``),
+  ``ModelFields``, ``PeerFields``, ``ConfigError``.
+- ``atomic.py``: crash-safe writes (temporary file, fsync, rename).
+- ``metrics_sinks.py``: where a metrics row goes besides JSONL (Prometheus ``/metrics``,
+  TensorBoard).
+"""

@@ -1,0 +1,127 @@
+"""The fleet's pace: how long a lease may take, judged by the whole fleet and the run, never by
+the peer that holds it (docs/threat-model.md, "slow-walking lease hoarder").
+
+A slow-walker answers its first lease at once (so the learner measures it) and every later one
+just before its deadline: if deadlines grew from the peer's own measured rate and any accepted
+answer wiped its record, a few identities would hold the whole in-flight budget for minutes each
+and win every freed slot by polling. So:
+
+- **Proven** peers answered their last ``PROVEN_LEASES`` leases in time: one fast answer (the
+  slow-walker's opening) proves nothing.
+- **Reference rate**: for each address (an IPv4 address, an IPv6 /64) the best recent
+  learner-measured rate (lease issue → accepted result) among its live proven members; the
+  reference is the median over addresses (before anyone is proven: over every measured member).
+  Identities from one host count once, and a peer can raise its own rate only by returning
+  accepted work faster.
+- **Expected time** of a lease of ``n`` prompts: ``n`` / reference (0: no one measured yet).
+- **Deadline** (``Admission.deadline``): ``DEADLINE_FACTOR`` × the expected time, at least
+  ``lease_min_s``, at most 20 × the base timeout and the **staleness horizon** (the steps until
+  the lease's version goes stale × the learner's recent step period).
+- **Late**: a result after ``LATE_FACTOR`` × the expected time (and half of ``lease_min_s``) is
+  accepted if it passes every check, and counts against the peer like an expiry (back-off; it does
+  not reset ``expiries_in_row``); so does a result refused as stale (``learner/service.py``).
+- **Priority**: one lease of room in the in-flight budget is kept for each live proven peer that
+  returns work faster than the one asking (than any unproven one), is not backed off and holds
+  no lease (it just answered and is about to ask): a freed slot goes to the fastest, not to
+  whoever polls most.
+- **Size**: a peer slower than the reference is leased what it can finish in ``SIZE_SLACK`` × the
+  reference's time for the full lease (at least one prompt): a peer within that factor of the
+  fleet's pace gets full leases, a much slower one (a slow-walker) small ones.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+
+from echorl.learner.peers import PeerBook, PeerLoad
+
+PROVEN_LEASES = 3
+"""Leases in a row answered in time that make a peer proven (it ranks in the reference and is
+kept room for): an honest node is proven within its first few leases."""
+DEADLINE_FACTOR = 4.0
+"""A lease's deadline is this many times the fleet's expected time (the factor the learner always
+used over a node's own expected time)."""
+LATE_FACTOR = 2.0
+"""A result later than this many times the fleet's expected time counts against the peer: an
+honest node of the fleet's pace has 2x headroom; a slow-walker is late on every lease but one."""
+SIZE_SLACK = 1.5
+"""A peer is leased what it finishes in this many times the fleet's time for a full lease: under
+``LATE_FACTOR``, so a sized lease is on time, and over 1, so a peer a little slower than the fastest
+on its address (every demo node shares 127.0.0.1) is not cut to one prompt per lease, which doubled
+the demo's submissions and round trips."""
+STEP_WEIGHT = 0.3
+"""Weight of the newest step period in the learner's moving step period (the horizon's unit)."""
+MAX_DEADLINE_BASES = 20.0
+"""The longest deadline, in base timeouts (``lease_timeout_s``)."""
+
+
+class FleetPace:
+    """The reference rate of the peer book's live members and the learner's step period."""
+
+    def __init__(self, book: PeerBook) -> None:
+        self.book = book
+        self.step_s = 0.0  # moving step period of the learner (0: fewer than two versions seen)
+        self._version = -1
+        self._version_at = 0.0
+
+    def note_version(self, version: int, now: float) -> None:
+        """The trainer's version now: each advance updates the step period."""
+        if version > self._version >= 0:
+            per = (now - self._version_at) / (version - self._version)
+            self.step_s = per if self.step_s <= 0 else STEP_WEIGHT * per + (1 - STEP_WEIGHT) * self.step_s
+        if version != self._version:
+            self._version, self._version_at = version, now
+
+    def horizon_s(self, steps_left: int | None) -> float:
+        """Seconds until a lease with ``steps_left`` steps before its version goes stale would be
+        stale at the learner's recent pace (inf: not known)."""
+        if steps_left is None or self.step_s <= 0:
+            return math.inf
+        return max(1, steps_left) * self.step_s
+
+    def reference_rate(self) -> float:
+        """Median over addresses of each address's best recent rate (0: no one measured)."""
+        best: dict[str, float] = {}
+        proven_best: dict[str, float] = {}
+        for p in self.book.active():
+            load, key = self._load(p.peer_id), p.ip_key or p.peer_id
+            if load.recent_per_s > 0:
+                best[key] = max(best.get(key, 0.0), load.recent_per_s)
+                if load.on_time_in_row >= PROVEN_LEASES:
+                    proven_best[key] = max(proven_best.get(key, 0.0), load.recent_per_s)
+        rates = proven_best or best
+        return statistics.median(rates.values()) if rates else 0.0
+
+    def expected_s(self, n_prompts: int) -> float:
+        """What the fleet takes for a lease of ``n_prompts`` (0: not measured yet)."""
+        ref = self.reference_rate()
+        return n_prompts / ref if ref > 0 else 0.0
+
+    def sized(self, peer_id: str, n_prompts: int) -> int:
+        """Prompts the peer finishes in ``SIZE_SLACK`` × the time the reference takes for
+        ``n_prompts`` (≥ 1)."""
+        own, ref = self._load(peer_id).recent_per_s, self.reference_rate()
+        if own <= 0 or ref <= 0 or own >= ref:
+            return n_prompts
+        return max(1, min(n_prompts, int(SIZE_SLACK * n_prompts * own / ref)))
+
+    def reserved(self, peer_id: str, prompts_per_lease: int, now: float, held: Mapping[str, int]) -> int:
+        """Prompts of room kept for the live proven peers that return work faster than
+        ``peer_id``, are not backed off and hold no lease (``held``: open leases by holder; one
+        that holds one is at work, and a newcomer must still get leases to prove itself): one
+        lease each (see the module docstring)."""
+        own = self._load(peer_id)
+        mine = own.recent_per_s if own.on_time_in_row >= PROVEN_LEASES else 0.0  # unproven: ranks last
+        faster = 0
+        for p in self.book.active(now=now):
+            load = self.book.loads.get(p.peer_id)
+            if p.peer_id == peer_id or load is None or held.get(p.peer_id, 0) > 0:
+                continue
+            if load.recent_per_s > mine and load.on_time_in_row >= PROVEN_LEASES and load.backoff_until <= now:
+                faster += 1
+        return faster * prompts_per_lease
+
+    def _load(self, peer_id: str) -> PeerLoad:
+        return self.book.loads.get(peer_id) or PeerLoad()

@@ -1,0 +1,144 @@
+"""Replay verification of multi-turn episodes: the learner never trusts a node's account of an
+environment.
+
+A submitted episode is the prompt (the learner's own first observation of the seed it chose),
+a transcript of token ids and a mask of the tokens the model produced. The learner re-runs the
+episode with its own copy of the environment under the referee (``tasks/env.py``): each maximal
+run of model tokens is one model turn, which must end exactly where sampling would have ended it
+(EOS, a stop string, or the turn's token limit); its decoded text (cut at the stop string) is
+the action; the environment's next observation, tokenized by the learner, must be exactly the
+masked tokens that follow; the transcript must end exactly where the episode does (done, turn
+limit, token budget, environment error). The reward is the replay's; a node's own reward that
+differs is a forgery too. Any difference raises :class:`ReplayMismatch` (the service answers
+``env_mismatch`` and counts it against the peer like a log-prob mismatch).
+
+Pure CPU work on small transcripts: the service runs it in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+from echorl.actor.types import RolloutGroup, Sample
+from echorl.protocol.messages import EpisodeSpec
+from echorl.tasks.base import Prompt
+
+if TYPE_CHECKING:
+    from echorl.rl.seams import Tokenizer
+    from echorl.tasks.base import Task
+    from echorl.tasks.env import EnvTask
+
+REWARD_TOLERANCE = 1e-6
+
+
+class ReplayMismatch(ValueError):
+    """A transcript's observations, boundaries or reward differ from the learner's replay."""
+
+
+class Replayer:
+    """Replays episodes of ``task`` (an :class:`~echorl.tasks.env.EnvTask`) with ``tokenizer``."""
+
+    def __init__(self, task: EnvTask, tokenizer: Tokenizer, max_tokens: int | None = None) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+        self.max_tokens = int(max_tokens or task.max_episode_tokens)
+        self.turn_tokens = int(task.max_new_tokens)
+        self.stop = list(task.stop)
+        eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _stopped(self, ids: list[int]) -> bool:
+        text = self._decode(ids) if self.stop else ""
+        return any(s in text for s in self.stop)
+
+    def _first_stop(self, turn: list[int]) -> int:
+        """The shortest proper prefix of ``turn`` whose text holds a stop string (one exists).
+        A prefix's text is a prefix of a longer one's, so "holds a stop string" only turns on as
+        the prefix grows: a binary search, ~log2(n) decodes. An accepted turn costs one decode of
+        its proper prefix, not one per token (a 2,000-token turn was ~2,000 decodes: issue 24)."""
+        lo, hi = 1, len(turn) - 1  # turn[:hi] holds one
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._stopped(turn[:mid]) else (mid + 1, hi)
+        return lo
+
+    def action(self, turn: list[int], k: int) -> str:
+        """The action text of model turn ``k``; refuses a turn sampling would not have produced."""
+        if not turn:
+            raise ReplayMismatch(f"turn {k}: no model tokens where the model was to act")
+        if len(turn) > self.turn_tokens:
+            raise ReplayMismatch(f"turn {k}: {len(turn)} tokens > the turn limit {self.turn_tokens}")
+        early = next((i for i, t in enumerate(turn[:-1], 1) if t in self.eos_ids), 0)
+        if not early and len(turn) > 1 and self._stopped(turn[:-1]):
+            early = self._first_stop(turn)
+        if early:  # sampling stops at the first EOS or stop string
+            raise ReplayMismatch(f"turn {k}: goes on after it ended at token {early}")
+        if len(turn) < self.turn_tokens and turn[-1] not in self.eos_ids and not self._stopped(turn):
+            raise ReplayMismatch(f"turn {k}: cut short ({len(turn)} tokens, no EOS or stop string)")
+        text = self._decode(turn)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def episode(self, prompt: Prompt, sample: Sample) -> float:
+        """The replayed reward of one episode, or :class:`ReplayMismatch`."""
+        toks, mask = list(sample.token_ids), sample.mask
+        if mask is None or len(mask) != len(toks):
+            raise ReplayMismatch("an episode needs a model mask as long as its transcript")
+        run = self.task.run(int(prompt.meta["env_seed"]))
+        if run.observation != prompt.text:
+            raise ReplayMismatch("the environment's first observation differs from the prompt")
+        i, k = 0, 0
+        while not run.over:
+            j = i
+            while j < len(toks) and mask[j]:
+                j += 1
+            obs = run.act(self.action(toks[i:j], k))
+            i, k = j, k + 1
+            if obs is None:
+                break
+            expected = self.encode(obs)
+            if i + len(expected) + self.turn_tokens > self.max_tokens:
+                run.cut()
+                break
+            if toks[i : i + len(expected)] != expected or any(mask[i : i + len(expected)]):
+                raise ReplayMismatch(f"observation after turn {k - 1} differs from the environment's")
+            i += len(expected)
+        if i != len(toks):
+            raise ReplayMismatch(f"transcript goes on after the episode ended ({run.finish}) at token {i}")
+        if sample.reward is not None and abs(float(sample.reward) - run.reward) > REWARD_TOLERANCE:
+            raise ReplayMismatch(f"claimed reward {sample.reward} but the replay gives {run.reward}")
+        return float(run.reward)
+
+    def group(self, prompt: Prompt, group: RolloutGroup) -> list[float]:
+        """Replayed rewards of every episode of a group (the buffer's ``group_scorer``)."""
+        return [self.episode(prompt, s) for s in group.samples]
+
+
+def episode_spec(task: Task, prompt: Prompt) -> EpisodeSpec | None:
+    """The lease's ``EpisodeSpec`` for a prompt of an episodic task (None: single-turn)."""
+    from echorl.tasks.env import env_options_of, is_episodic
+
+    if not is_episodic(task):
+        return None
+    task = cast("EnvTask", task)
+    return EpisodeSpec(
+        env=task.spec,
+        options=env_options_of(task),
+        seed=int(prompt.meta["env_seed"]),
+        max_turns=task.max_turns,
+        max_tokens=task.max_episode_tokens,
+    )
+
+
+def group_scorer(task: Task, tokenizer: Tokenizer) -> Callable[[Prompt, RolloutGroup], list[float]] | None:
+    """The buffer's group scorer for an episodic task, None for a single-turn one."""
+    from echorl.tasks.env import is_episodic
+
+    return Replayer(cast("EnvTask", task), tokenizer).group if is_episodic(task) else None

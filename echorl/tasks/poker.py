@@ -1,0 +1,220 @@
+"""Kuhn poker (``"poker"``): a heads-up hand against a fixed opponent policy, written from the rules.
+
+Rules (Kuhn 1950): a deck of three cards J < Q < K; each player antes 1 chip and gets one card.
+Player 1 acts first. An action is pass (``0``: check, or fold when facing a bet) or bet (``1``:
+bet 1 chip, or call a bet). Histories end at ``00`` (showdown for 1), ``11`` and ``011``
+(showdown for 2), ``10`` (player 2 folds) and ``010`` (player 1 folds). With both players at a
+Nash equilibrium the game is worth −1/18 chip per hand to player 1 (:func:`exact_value`; the
+tests check it for the whole equilibrium family).
+
+Text the default character-level model can read and answer: the prompt is
+``<card><seat>:<history>=`` (``K1:=``: holding the king, first to act; ``Q2:1=``: holding the
+queen, second, the opponent bet); the model answers one character, ``0`` or ``1``; when the
+hand goes on the observation is the opponent's reply followed by ``=`` (``1=``). Anything else
+than ``0``/``1`` (EOS included) forfeits the hand: the agent loses what it has put in.
+
+The reward is the agent's chips won in the hand (−2 … +2); ``eval_reward`` is therefore mean
+chips per hand over the held-out deals. The seat alternates with the seed (``seat=1``/``2``
+fixes it). Opponents: ``"fixed"`` (default: a loose, exploitable player: see ``FIXED``) or
+``"nash"`` (the equilibrium with α = 1/6: nothing to exploit).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+from .base import EnvStep, Query, TaskError, TurnPolicy
+from .env import Environment
+
+CARDS = "JQK"
+TERMINAL = ("00", "11", "011", "10", "010")
+#: probability of ``1`` (bet/call) by (card, history before the decision)
+Policy = Callable[[int, str], float]
+
+#: A loose opponent: bets and calls with the queen as if it were the king, bluffs the jack half
+#: the time, and never folds the queen. Betting the king and checking/folding the jack beats it.
+FIXED: dict[tuple[int, str], float] = {
+    (0, ""): 0.5,
+    (1, ""): 1.0,
+    (2, ""): 1.0,  # first to act
+    (0, "0"): 0.5,
+    (1, "0"): 1.0,
+    (2, "0"): 1.0,  # second, after a check
+    (0, "1"): 0.0,
+    (1, "1"): 1.0,
+    (2, "1"): 1.0,  # second, facing a bet
+    (0, "01"): 0.0,
+    (1, "01"): 1.0,
+    (2, "01"): 1.0,  # first, facing a bet after checking
+}
+
+
+def nash_p1(alpha: float) -> Policy:
+    """Player 1's equilibrium strategies (α ∈ [0, 1/3])."""
+    table = {(0, ""): alpha, (1, ""): 0.0, (2, ""): 3 * alpha, (0, "01"): 0.0, (1, "01"): alpha + 1 / 3, (2, "01"): 1.0}
+    return lambda card, h: table[(card, h)]
+
+
+def nash_p2(card: int, history: str) -> float:
+    """Player 2's equilibrium strategy."""
+    return {(0, "0"): 1 / 3, (1, "0"): 0.0, (2, "0"): 1.0, (0, "1"): 0.0, (1, "1"): 1 / 3, (2, "1"): 1.0}[
+        (card, history)
+    ]
+
+
+def fixed_opponent(card: int, history: str) -> float:
+    return FIXED[(card, history)]
+
+
+OPPONENTS: dict[str, Policy] = {
+    "fixed": fixed_opponent,
+    "nash": lambda c, h: nash_p1(1 / 6)(c, h) if len(h) % 2 == 0 else nash_p2(c, h),
+}
+
+
+def to_act(history: str) -> int:
+    """Seat (1 or 2) whose decision it is."""
+    return 1 + len(history) % 2
+
+
+def payoff_p1(cards: tuple[int, int], history: str) -> int:
+    """Chips won by player 1 at a terminal history."""
+    if history == "10":
+        return 1
+    if history == "010":
+        return -1
+    stake = 1 if history == "00" else 2
+    return stake if cards[0] > cards[1] else -stake
+
+
+def exact_value(p1: Policy, p2: Policy) -> float:
+    """Player 1's expected chips per hand (every deal, every branch; no sampling)."""
+
+    def walk(cards: tuple[int, int], history: str) -> float:
+        if history in TERMINAL:
+            return payoff_p1(cards, history)
+        seat = to_act(history)
+        p_bet = (p1 if seat == 1 else p2)(cards[seat - 1], history)
+        return p_bet * walk(cards, history + "1") + (1 - p_bet) * walk(cards, history + "0")
+
+    deals = list(itertools.permutations(range(3), 2))
+    return sum(walk(d, "") for d in deals) / len(deals)
+
+
+def seat_value(agent: Policy, opponent: Policy, seat: int) -> float:
+    """The agent's expected chips per hand in ``seat`` (1 or 2)."""
+    return exact_value(agent, opponent) if seat == 1 else -exact_value(opponent, agent)
+
+
+def best_response_value(opponent: Policy, seat: int) -> float:
+    """What the best deterministic strategy earns against ``opponent`` in ``seat`` (exhaustive:
+    a seat has 6 information sets, so 64 pure strategies)."""
+    sets = [(c, h) for c in range(3) for h in (("", "01") if seat == 1 else ("0", "1"))]
+    best = float("-inf")
+    for bits in itertools.product((0.0, 1.0), repeat=len(sets)):
+        table = dict(zip(sets, bits))
+        best = max(best, seat_value(lambda c, h, t=table: t[(c, h)], opponent, seat))
+    return best
+
+
+def put_in(history: str, seat: int) -> int:
+    """Chips ``seat`` has put in so far: the ante and each of its bets (what a forfeit loses)."""
+    return 1 + sum(1 for i, a in enumerate(history) if a == "1" and to_act(history[:i]) == seat)
+
+
+def uniform_policy(card: int, history: str) -> float:
+    return 0.5
+
+
+class KuhnPoker(Environment):
+    """One hand of Kuhn poker against ``opponent`` (see the module docstring)."""
+
+    name = "poker"
+    max_turns = 2
+    max_action_tokens = 1
+    stop: list[str] = []
+    n_eval = 1200
+
+    def __init__(self, opponent: str = "fixed", seat: int = 0) -> None:
+        if opponent not in OPPONENTS:
+            raise TaskError(f"poker: opponent must be one of {sorted(OPPONENTS)}, got {opponent!r}")
+        if seat not in (0, 1, 2):
+            raise TaskError(f"poker: seat must be 0 (alternate), 1 or 2, got {seat!r}")
+        self.opponent, self.seat = OPPONENTS[opponent], int(seat)
+        self.rng = random.Random(0)
+        self.cards = (0, 1)
+        self.agent = 1
+        self.history = ""
+
+    def _opponent_acts(self) -> None:
+        card = self.cards[2 - self.agent]
+        bet = self.rng.random() < self.opponent(card, self.history)
+        self.history += "1" if bet else "0"
+
+    def _view(self) -> str:
+        return f"{CARDS[self.cards[self.agent - 1]]}{self.agent}:{self.history}="
+
+    def reset(self, seed: int) -> str:
+        self.rng = random.Random(seed)
+        deal = self.rng.sample(range(3), 2)
+        self.cards = (deal[0], deal[1])
+        self.agent = self.seat or 1 + self.rng.randrange(2)
+        self.history = ""
+        if self.agent == 2:
+            self._opponent_acts()
+        return self._view()
+
+    def _agent_chips(self) -> int:
+        p1 = payoff_p1(self.cards, self.history)
+        return p1 if self.agent == 1 else -p1
+
+    def step(self, action: str) -> EnvStep:
+        if action not in ("0", "1"):
+            return EnvStep(done=True, reward=-float(put_in(self.history, self.agent)))
+        self.history += action
+        if self.history not in TERMINAL:
+            self._opponent_acts()
+        if self.history in TERMINAL:
+            return EnvStep(done=True, reward=float(self._agent_chips()))
+        return EnvStep(done=False, reward=0.0, observation=f"{self.history[-1]}=")
+
+    # -- exact evaluation ----------------------------------------------------------------
+    def exact_eval(self, policy: TurnPolicy) -> float:
+        """The agent's expected chips per hand under ``policy``: every deal, each seat this
+        environment deals (both, equally likely, when it alternates), every branch of the
+        opponent's and the agent's play (an answer other than ``0``/``1`` forfeits)."""
+        seats = (self.seat,) if self.seat else (1, 2)
+        deals = list(itertools.permutations(range(3), 2))
+        total = sum(self._value(policy, (d[0], d[1]), seat, "", ()) for seat in seats for d in deals)
+        return total / (len(seats) * len(deals))
+
+    def _value(
+        self, policy: TurnPolicy, cards: tuple[int, int], agent: int, history: str, turns: tuple[str, ...]
+    ) -> float:
+        """Expected chips of the agent from ``history``; ``turns``: the transcript so far (empty
+        until the agent's first view, which is the prompt)."""
+        if history in TERMINAL:
+            return float(payoff_p1(cards, history) if agent == 1 else -payoff_p1(cards, history))
+        if to_act(history) != agent:
+            p_bet = self.opponent(cards[2 - agent], history)
+            return sum(
+                p
+                * self._value(
+                    policy,
+                    cards,
+                    agent,
+                    history + a,
+                    turns + (f"{a}=",) if turns and history + a not in TERMINAL else turns,
+                )
+                for a, p in (("1", p_bet), ("0", 1 - p_bet))
+                if p > 0
+            )
+        if not turns:
+            turns = (f"{CARDS[cards[agent - 1]]}{agent}:{history}=",)
+        p_pass, p_bet = policy.probs([Query(turns, "0", False), Query(turns, "1", False)])
+        value = -float(put_in(history, agent)) * max(0.0, 1.0 - p_pass - p_bet)
+        for a, p in (("0", p_pass), ("1", p_bet)):
+            value += p * self._value(policy, cards, agent, history + a, turns + (a,))
+        return value

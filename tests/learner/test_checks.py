@@ -1,0 +1,177 @@
+"""The submission checks as one ordered table (``learner/checks.py``): docs/protocol.md lists the
+rows in the table's order with their codes; the first refusing row answers and is counted; a new
+check is one row (its counter appears, its refusal settles the lease and stops the later rows)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from swarm import capability, signed_submit
+
+from echorl.learner import checks
+from echorl.learner.config import ServiceFields
+from echorl.learner.service import LearnerService, PeerRecord
+from echorl.net.host import RequestContext
+from echorl.protocol import routes
+from echorl.protocol.errors import ErrorCode, ProtocolError
+from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Lease, LeaseRequest
+from echorl.rl.buffer import StalenessBuffer
+
+RUN = "echorl-demo"  # what swarm.signed_submit names
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def _doc_items() -> list[str]:
+    """The numbered items of docs/protocol.md's submit check order."""
+    text = DOCS.read_text()
+    block = text[text.index("The learner checks a Submit in this order") :].split("\n\n", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^\d+\. (.*?)(?=^\d+\. |\Z)", block, re.M | re.S)]
+
+
+def test_docs_list_the_checks_in_table_order_with_their_codes():
+    items = _doc_items()
+    assert len(items) == len(checks.CHECKS)
+    for i, (row, item) in enumerate(zip(checks.CHECKS, items), 1):
+        codes = {code.value for code in row.counters}
+        assert codes <= set(re.findall(r"`([a-z_]+)`", item)), f"item {i} ({row.name}) lacks {codes}"
+
+
+def test_counters_come_from_the_table():
+    named = {c for row in checks.CHECKS for c in row.counters.values() if c}
+    svc = _service(None)
+    assert set(svc.checks.counters) == named | {"signatures_verified"}
+    assert named <= set(svc.counters) and named <= set(svc.status().learner)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from echorl.actor.backend import TorchBackend
+    from echorl.actor.model import build_default_model
+
+    return TorchBackend.from_pretrained(build_default_model(warmup=None))
+
+
+def _service(tiny, version=lambda: 0) -> LearnerService:
+    from echorl.tasks import load_task
+
+    task = load_task("addition", digits=2, seed=0)
+    settings = ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=2, staleness=2)
+    vocab = int(tiny.model.config.vocab_size) if tiny is not None else 100
+    tokenizer = tiny.tokenizer if tiny is not None else None
+    return LearnerService(
+        Identity.generate(), RUN, task, tokenizer, StalenessBuffer(2, task.reward), settings, vocab, version=version
+    )
+
+
+async def _leased(svc: LearnerService, me: Identity) -> tuple[RequestContext, Lease]:
+    cap = capability()
+    now = time.monotonic()
+    svc.peers.add(PeerRecord(me.peer_id, cap, now, now, version=0))
+    ctx = RequestContext(peer_id=me.peer_id, protocol=routes.SUBMIT, received_at=time.time())
+    lease = await svc.on_lease(LeaseRequest(run_id=RUN, version=0, max_prompts=2), ctx)
+    assert isinstance(lease, Lease), lease
+    return ctx, lease
+
+
+async def _refusal(svc: LearnerService, msg, ctx) -> ErrorCode:
+    with pytest.raises(ProtocolError) as err:
+        await svc.on_submit(msg, ctx)
+    return err.value.code
+
+
+def test_the_first_refusing_row_answers_counts_and_settles(tiny):
+    """A submission both stale and not matching its lease is refused by the earlier row (staleness,
+    7) with its code, counted once, and its lease settled with the prompts re-queued."""
+    t = [0]
+
+    async def main():
+        svc = _service(tiny, version=lambda: t[0])
+        svc.note_published(0)
+        me = Identity.generate()
+        ctx, lease = await _leased(svc, me)
+        t[0] = 5  # the learner moved on: v0 is now 5 > S = 2 versions old
+        bad = signed_submit(me, lease, 0, token_ids=(4,) * 99, logprobs=(-1.0,) * 99)  # too long, too
+        assert await _refusal(svc, bad, ctx) == ErrorCode.STALE_VERSION
+        assert svc.counters[checks.STALE] == 1 and svc.counters[checks.INVALID] == 0
+        assert not svc.leases.active and len(svc.buffer.requeued) == len(lease.prompts)
+
+    trio.run(main)
+
+
+def test_a_new_check_is_one_row(tiny, monkeypatch):
+    """One row inserted before the groups check: its counter appears, its refusal answers the node,
+    settles the lease (prompts re-queued) and the rows after it never run."""
+    ran: list[str] = []
+
+    async def no_odd_nonces(self, sub):
+        ran.append("custom")
+        if sub.msg.nonce[0] % 2:
+            raise ProtocolError(ErrorCode.BAD_ROLLOUT, "odd nonce")
+
+    async def groups(self, sub):
+        ran.append("groups")
+        raise AssertionError("a later row ran")
+
+    table = list(checks.CHECKS)
+    at = [row.name for row in table].index("groups")
+    custom = checks.Check("odd", no_odd_nonces, {ErrorCode.BAD_ROLLOUT: "submissions_rejected_odd"}, "", "odd nonce")
+    table[at : at + 1] = [custom, checks.Check("groups", groups, table[at].counters, "", table[at].doc)]
+    monkeypatch.setattr(checks, "CHECKS", tuple(table))
+
+    async def main():
+        svc = _service(tiny)
+        svc.note_published(0)
+        me = Identity.generate()
+        ctx, lease = await _leased(svc, me)
+        msg = signed_submit(me, lease, 0)
+        while not msg.nonce[0] % 2:  # an odd first nonce byte
+            msg = signed_submit(me, lease, 0)
+        assert svc.counters["submissions_rejected_odd"] == 0
+        assert await _refusal(svc, msg, ctx) == ErrorCode.BAD_ROLLOUT
+        assert svc.counters["submissions_rejected_odd"] == 1 and ran == ["custom"]
+        assert not svc.leases.active and len(svc.buffer.requeued) == len(lease.prompts)
+
+    trio.run(main)
+
+
+def test_a_second_submission_for_a_lease_under_check_is_refused_unchecked(tiny, monkeypatch):
+    """While one submission for a lease is in its (slow) checks, a second one for the same lease is
+    refused at once (`replay`) without running any later row; the claim ends with the first."""
+    ran: list[str] = []
+
+    async def slow(self, sub):
+        ran.append("slow")
+        await trio.sleep(0.3)
+
+    table = list(checks.CHECKS)
+    at = [row.name for row in table].index("lease") + 1
+    table.insert(at, checks.Check("slow", slow, {ErrorCode.BAD_ROLLOUT: "submissions_rejected_slow"}, "", "slow"))
+    monkeypatch.setattr(checks, "CHECKS", tuple(table))
+
+    async def main():
+        svc = _service(tiny)
+        svc.note_published(0)
+        me = Identity.generate()
+        ctx, lease = await _leased(svc, me)
+        first: list[object] = []
+
+        async def submit_first():
+            try:
+                first.append(await svc.on_submit(signed_submit(me, lease, 0), ctx))
+            except ProtocolError as exc:
+                first.append(exc.code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit_first)
+            await trio.sleep(0.05)  # the first is in the slow row now
+            with trio.fail_after(0.2):  # refused before the first's check ends
+                assert await _refusal(svc, signed_submit(me, lease, 0), ctx) == ErrorCode.REPLAY
+        assert ran == ["slow"] and len(first) == 1
+        assert not svc.leases._checking  # released however the first ended
+
+    trio.run(main)

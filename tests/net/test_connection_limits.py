@@ -1,0 +1,59 @@
+"""A host holds a thousand peers' connections (issue 27): the guard's total, py-libp2p's own caps
+(``max_connections`` and the pruner's ``high_watermark``, 300 each by default) and the process's
+open-file limit are sized above 1,000 connections, and a guard still refuses past its limits."""
+
+from __future__ import annotations
+
+import resource
+
+import trio
+
+from echorl.net.guard import FD_SPARE, ConnectionGuard, ConnectionLimits, raise_fd_limit
+from echorl.net.host import HostConfig, open_host
+from echorl.protocol.identity import Identity
+
+
+def test_the_default_guard_admits_a_thousand_peers_each_from_its_own_address() -> None:
+    guard = ConnectionGuard()
+    ips = [f"10.{i >> 8}.{i & 255}.1" for i in range(1200)]
+    assert all(guard.try_open(ip) for ip in ips)
+    assert guard.total == 1200 and guard.refused == 0
+
+
+def test_a_guard_still_refuses_past_its_total_and_per_address() -> None:
+    guard = ConnectionGuard(ConnectionLimits(max_total=300, max_per_ip=2))
+    assert all(guard.try_open(f"10.0.{i >> 8}.{i & 255}") for i in range(300))
+    assert not guard.try_open("10.9.9.9")  # the 301st
+    small = ConnectionGuard(ConnectionLimits(max_total=300, max_per_ip=2))
+    assert small.try_open("10.0.0.1") and small.try_open("10.0.0.1") and not small.try_open("10.0.0.1")
+
+
+def test_libp2p_neither_refuses_nor_prunes_below_the_guard() -> None:
+    async def main() -> tuple[int, bool]:
+        async with open_host(Identity.generate()) as host:
+            network = host.libp2p.get_network()
+            network.connection_pruner._started = True
+            looked: list[int] = []
+            network.get_connections = lambda *a: looked.append(1) or []  # a pruner's first look
+            await network.connection_pruner.maybe_prune_connections()
+            return network.connection_config.max_connections, not looked
+
+    most, kept = trio.run(main)
+    total = HostConfig().connection_limits.max_total
+    assert total >= 1024
+    assert most > total and kept  # py-libp2p's cap sits above ours; its pruner is off
+
+
+def test_the_open_file_limit_is_raised_for_the_connections() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1000 + FD_SPARE
+    if hard != resource.RLIM_INFINITY and hard < need:
+        assert raise_fd_limit(1000) == soft  # cannot raise: left as it is (and said, once)
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
+        assert raise_fd_limit(1000) == need
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == need
+        assert raise_fd_limit(10) == need  # never lowered
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

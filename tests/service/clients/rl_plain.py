@@ -1,0 +1,67 @@
+"""The cookbook's minimal RL loop (``tinker_cookbook/recipes/rl_loop.py``) written against the
+client's public API alone, for logits-sdk (tinker 0.21, which the cookbook does not support):
+per batch a sampling client from the current weights, ``num_samples`` = group size, centred
+rewards, ``importance_sampling`` on ``target_tokens``/``logprobs``/``advantages``, one
+``optim_step``. Usage: ``python rl_plain.py logits|tinker MODEL_DIR STEPS LR``. Prints
+``{"start": mean reward of the first 3 batches, "end": of the last 3}``."""
+
+import json
+import os
+import sys
+
+from transformers import AutoTokenizer
+
+client_name, model_dir, steps, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+if client_name == "logits":
+    import logits as tinker
+    from logits import types
+else:
+    import tinker
+    from tinker import types
+
+from addition_env import problems, prompt_text, reward  # noqa: E402 (after the client choice)
+
+BATCH, GROUP = 8, 8
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+service = tinker.ServiceClient()
+training = service.create_lora_training_client(base_model=os.environ.get("ECHORL_BASE_MODEL", "echorl-tiny"), rank=8)
+training = training.result() if hasattr(training, "result") else training
+params = types.SamplingParams(max_tokens=6, stop=[tokenizer.eos_token_id])
+rows = problems(BATCH * steps, seed=7)
+rewards = []
+for step in range(steps):
+    sampler = training.save_weights_and_get_sampling_client()
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    batch = rows[step * BATCH : (step + 1) * BATCH]
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(prompt_text(q), add_special_tokens=False)) for q, _ in batch]
+    futures = [sampler.sample(prompt=p, num_samples=GROUP, sampling_params=params) for p in prompts]
+    data, batch_rewards = [], []
+    for future, prompt, (_, answer) in zip(futures, prompts, batch):
+        seqs = future.result().sequences
+        group = [reward(tokenizer.decode(s.tokens, skip_special_tokens=True), answer) for s in seqs]
+        batch_rewards.append(sum(group) / len(group))
+        mean = sum(group) / len(group)
+        for seq, r in zip(seqs, group):
+            if r == mean:
+                continue
+            ob = prompt.length - 1
+            model_input = prompt.append(types.EncodedTextChunk(tokens=seq.tokens[:-1]))
+            n = model_input.length
+            data.append(
+                types.Datum(
+                    model_input=model_input,
+                    loss_fn_inputs={
+                        "target_tokens": [0] * ob + list(seq.tokens),
+                        "logprobs": [0.0] * ob + list(seq.logprobs),
+                        "advantages": [0.0] * ob + [r - mean] * (n - ob),
+                    },
+                )
+            )
+    if data:
+        fwd = training.forward_backward(data, "importance_sampling")
+        opt = training.optim_step(types.AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8))
+        fwd.result()
+        opt.result()
+    rewards.append(sum(batch_rewards) / len(batch_rewards))
+    print(json.dumps({"step": step, "reward": rewards[-1]}), flush=True)
+print(json.dumps({"client": client_name, "loop": "rl", "start": sum(rewards[:3]) / 3, "end": sum(rewards[-3:]) / 3}))
