@@ -29,6 +29,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "held-out reward, exact where the task can (last eval)",
     ),
     ("eval_reward_sampled", "echorl_learner_eval_reward_sampled", "gauge", "held-out reward of one sample per prompt"),
+    (
+        "exploitability",
+        "echorl_learner_exploitability",
+        "gauge",
+        "chips/hand a best response gains over the game's value (poker; 0 at Nash)",
+    ),
     ("loss", "echorl_learner_loss", "gauge", "GRPO loss of the last step"),
     ("grad_norm", "echorl_learner_grad_norm", "gauge", "gradient norm of the last step, before clipping"),
     ("entropy", "echorl_learner_entropy", "gauge", "mean per-token entropy (nats) of the policy on the last batch"),

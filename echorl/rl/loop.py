@@ -277,12 +277,15 @@ class TrainingLoop:
                 samples = backend.sample_ids(ids, self.sampling_params(), seed=seed)
                 sampled = sum(self.task.reward(p, s.text) for p, s in zip(prompts, samples)) / max(1, len(prompts))
             self.gen_samples_per_s = len(prompts) / max(1e-9, time.perf_counter() - t0)
-        exact = None if exact_eval is None else exact_eval(prompts, ModelPolicy(backend, self.settings.temperature))
+        policy = ModelPolicy(backend, self.settings.temperature)
+        exact = None if exact_eval is None else exact_eval(prompts, policy)
+        extra = getattr(self.task, "exact_metrics", None)
         return {
             "eval_reward": sampled if exact is None else float(exact),
             "eval_reward_sampled": sampled,
             "eval_exact": exact is not None,
             "eval_prompts": len(prompts),
+            **({} if extra is None else extra(prompts, policy)),
         }
 
     async def _eval(self, full: bool) -> dict[str, Any]:

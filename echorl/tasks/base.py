@@ -128,6 +128,11 @@ class Task:
         sampling; None where the task cannot (the loop then reports the sampled figure only)."""
         return None
 
+    def exact_metrics(self, prompts: list[Prompt], policy: TurnPolicy) -> dict[str, float]:
+        """Further exact figures of ``policy`` for the metrics row (Kuhn poker: its
+        ``exploitability``); none by default."""
+        return {}
+
     # -- environment (multi-turn tasks override) -----------------------------------------
     def env_step(self, prompt: Prompt, transcript: str) -> EnvStep:
         """One environment step given the model's transcript so far. Single-turn default:

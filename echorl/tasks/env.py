@@ -191,6 +191,11 @@ class EnvTask(Task):
         exact = getattr(self.make_env(), "exact_eval", None)
         return None if exact is None else float(exact(policy))
 
+    def exact_metrics(self, prompts: list[Prompt], policy: TurnPolicy) -> dict[str, float]:
+        """The environment's further exact figures (its ``exact_metrics(policy)``), if any."""
+        extra = getattr(self.make_env(), "exact_metrics", None)
+        return {} if extra is None else {str(k): float(v) for k, v in extra(policy).items()}
+
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         raise TaskError(f"{self.spec}: an episodic task is scored by replaying its episodes, not from text")
 

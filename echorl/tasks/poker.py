@@ -89,18 +89,44 @@ def payoff_p1(cards: tuple[int, int], history: str) -> int:
     return stake if cards[0] > cards[1] else -stake
 
 
-def exact_value(p1: Policy, p2: Policy) -> float:
-    """Player 1's expected chips per hand (every deal, every branch; no sampling)."""
+#: A seat's play with forfeits: (card, history) → (P(pass), P(bet)); the rest of the mass is an
+#: answer other than ``0``/``1``, which forfeits what the seat has put in.
+Strategy = Callable[[int, str], tuple[float, float]]
+#: The decisions of each seat: (card, history before the decision).
+INFO_SETS: dict[int, list[tuple[int, str]]] = {
+    1: [(c, h) for c in range(3) for h in ("", "01")],
+    2: [(c, h) for c in range(3) for h in ("0", "1")],
+}
+DEALS = list(itertools.permutations(range(3), 2))
+
+
+def strategy_of(policy: Policy) -> Strategy:
+    """A bet-probability policy as a strategy that never forfeits."""
+    return lambda card, h: (1.0 - policy(card, h), policy(card, h))
+
+
+def strategy_value(s1: Strategy, s2: Strategy) -> float:
+    """Player 1's expected chips per hand (every deal, every branch, forfeits included)."""
 
     def walk(cards: tuple[int, int], history: str) -> float:
         if history in TERMINAL:
             return payoff_p1(cards, history)
         seat = to_act(history)
-        p_bet = (p1 if seat == 1 else p2)(cards[seat - 1], history)
-        return p_bet * walk(cards, history + "1") + (1 - p_bet) * walk(cards, history + "0")
+        p_pass, p_bet = (s1 if seat == 1 else s2)(cards[seat - 1], history)
+        forfeit = put_in(history, seat) * (1.0 if seat == 2 else -1.0)
+        value = max(0.0, 1.0 - p_pass - p_bet) * forfeit
+        if p_bet > 0:
+            value += p_bet * walk(cards, history + "1")
+        if p_pass > 0:
+            value += p_pass * walk(cards, history + "0")
+        return value
 
-    deals = list(itertools.permutations(range(3), 2))
-    return sum(walk(d, "") for d in deals) / len(deals)
+    return sum(walk(d, "") for d in DEALS) / len(DEALS)
+
+
+def exact_value(p1: Policy, p2: Policy) -> float:
+    """Player 1's expected chips per hand (every deal, every branch; no sampling)."""
+    return strategy_value(strategy_of(p1), strategy_of(p2))
 
 
 def seat_value(agent: Policy, opponent: Policy, seat: int) -> float:
@@ -108,15 +134,30 @@ def seat_value(agent: Policy, opponent: Policy, seat: int) -> float:
     return exact_value(agent, opponent) if seat == 1 else -exact_value(opponent, agent)
 
 
-def best_response_value(opponent: Policy, seat: int) -> float:
-    """What the best deterministic strategy earns against ``opponent`` in ``seat`` (exhaustive:
-    a seat has 6 information sets, so 64 pure strategies)."""
-    sets = [(c, h) for c in range(3) for h in (("", "01") if seat == 1 else ("0", "1"))]
+def best_response_to(opponent: Strategy, seat: int) -> float:
+    """What the best deterministic strategy earns in ``seat`` against ``opponent`` in the other
+    (exhaustive: a seat has 6 information sets, so 64 pure strategies; a best response never
+    forfeits, as passing is never worse)."""
     best = float("-inf")
-    for bits in itertools.product((0.0, 1.0), repeat=len(sets)):
-        table = dict(zip(sets, bits))
-        best = max(best, seat_value(lambda c, h, t=table: t[(c, h)], opponent, seat))
+    for bits in itertools.product((0.0, 1.0), repeat=len(INFO_SETS[seat])):
+        table = dict(zip(INFO_SETS[seat], bits))
+        mine: Strategy = lambda c, h, t=table: (1.0 - t[(c, h)], t[(c, h)])
+        value = strategy_value(mine, opponent) if seat == 1 else -strategy_value(opponent, mine)
+        best = max(best, value)
     return best
+
+
+def best_response_value(opponent: Policy, seat: int) -> float:
+    """What the best deterministic strategy earns against ``opponent`` in ``seat``."""
+    return best_response_to(strategy_of(opponent), seat)
+
+
+def exploitability(s1: Strategy, s2: Strategy) -> float:
+    """How far the strategy pair (``s1`` in seat 1, ``s2`` in seat 2) is from a Nash equilibrium:
+    the mean of what a best response earns against each seat, over the game's value (seat 1's
+    best response against ``s2`` earns −1/18 at equilibrium, seat 2's against ``s1`` +1/18), so 0
+    exactly at an equilibrium and positive otherwise, in chips per hand."""
+    return (best_response_to(s2, 1) + best_response_to(s1, 2)) / 2
 
 
 def put_in(history: str, seat: int) -> int:
@@ -181,40 +222,31 @@ class KuhnPoker(Environment):
         return EnvStep(done=False, reward=0.0, observation=f"{self.history[-1]}=")
 
     # -- exact evaluation ----------------------------------------------------------------
+    def strategy(self, policy: TurnPolicy) -> dict[int, Strategy]:
+        """The policy's play in each seat, read at every information set from the transcript the
+        episode shows it there (one batch of 24 queries: pass and bet at 12 decisions)."""
+        views: list[tuple[int, tuple[int, str], tuple[str, ...]]] = []
+        for seat, sets in INFO_SETS.items():
+            for card, h in sets:
+                first = f"{CARDS[card]}{seat}:{h if seat == 2 else ''}="
+                views.append((seat, (card, h), (first, "0", "1=") if h == "01" else (first,)))
+        probs = policy.probs([Query(turns, a, False) for _, _, turns in views for a in ("0", "1")])
+        tables: dict[int, dict[tuple[int, str], tuple[float, float]]] = {1: {}, 2: {}}
+        for i, (seat, key, _) in enumerate(views):
+            tables[seat][key] = (probs[2 * i], probs[2 * i + 1])
+        return {seat: (lambda c, h, t=table: t[(c, h)]) for seat, table in tables.items()}
+
     def exact_eval(self, policy: TurnPolicy) -> float:
         """The agent's expected chips per hand under ``policy``: every deal, each seat this
         environment deals (both, equally likely, when it alternates), every branch of the
         opponent's and the agent's play (an answer other than ``0``/``1`` forfeits)."""
+        mine, theirs = self.strategy(policy), strategy_of(self.opponent)
+        values = {1: strategy_value(mine[1], theirs), 2: -strategy_value(theirs, mine[2])}
         seats = (self.seat,) if self.seat else (1, 2)
-        deals = list(itertools.permutations(range(3), 2))
-        total = sum(self._value(policy, (d[0], d[1]), seat, "", ()) for seat in seats for d in deals)
-        return total / (len(seats) * len(deals))
+        return sum(values[seat] for seat in seats) / len(seats)
 
-    def _value(
-        self, policy: TurnPolicy, cards: tuple[int, int], agent: int, history: str, turns: tuple[str, ...]
-    ) -> float:
-        """Expected chips of the agent from ``history``; ``turns``: the transcript so far (empty
-        until the agent's first view, which is the prompt)."""
-        if history in TERMINAL:
-            return float(payoff_p1(cards, history) if agent == 1 else -payoff_p1(cards, history))
-        if to_act(history) != agent:
-            p_bet = self.opponent(cards[2 - agent], history)
-            return sum(
-                p
-                * self._value(
-                    policy,
-                    cards,
-                    agent,
-                    history + a,
-                    turns + (f"{a}=",) if turns and history + a not in TERMINAL else turns,
-                )
-                for a, p in (("1", p_bet), ("0", 1 - p_bet))
-                if p > 0
-            )
-        if not turns:
-            turns = (f"{CARDS[cards[agent - 1]]}{agent}:{history}=",)
-        p_pass, p_bet = policy.probs([Query(turns, "0", False), Query(turns, "1", False)])
-        value = -float(put_in(history, agent)) * max(0.0, 1.0 - p_pass - p_bet)
-        for a, p in (("0", p_pass), ("1", p_bet)):
-            value += p * self._value(policy, cards, agent, history + a, turns + (a,))
-        return value
+    def exact_metrics(self, policy: TurnPolicy) -> dict[str, float]:
+        """Exact figures beside the reward: ``exploitability`` of the policy playing both seats
+        (chips per hand a best response gains over the game's value; 0 at a Nash equilibrium)."""
+        mine = self.strategy(policy)
+        return {"exploitability": exploitability(mine[1], mine[2])}

@@ -108,3 +108,16 @@ def test_addition_exact_eval_is_the_expected_accuracy(tiny_backend):
     hits = sum(task.reward(prompts[i // n], s.text) for i, s in enumerate(samples)) / len(samples)
     se = math.sqrt(max(exact * (1 - exact), 1e-3) / len(samples))
     assert abs(hits - exact) < 4 * se, (hits, exact)
+
+
+def test_poker_exploitability_reads_the_policy_in_both_seats():
+    """The equilibrium as a model's answers: exploitability 0; the best response to the fixed
+    opponent (what the agent learns against it) is itself exploitable."""
+    from echorl.tasks.poker import nash_p1, nash_p2
+
+    nash = {
+        (c, h): (nash_p1(1 / 6) if h in ("", "01") else nash_p2)(c, h) for c in range(3) for h in ("", "01", "0", "1")
+    }
+    assert KuhnPoker().exact_metrics(TablePolicy(nash))["exploitability"] == pytest.approx(0.0, abs=1e-12)
+    br = {k: 1.0 if v else 0.0 for k, v in _best_response().items()}
+    assert KuhnPoker().exact_metrics(TablePolicy(br))["exploitability"] > 0.1

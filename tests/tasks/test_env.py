@@ -16,10 +16,12 @@ from echorl.tasks.poker import (
     KuhnPoker,
     best_response_value,
     exact_value,
+    exploitability,
     fixed_opponent,
     nash_p1,
     nash_p2,
     seat_value,
+    strategy_of,
     uniform_policy,
 )
 
@@ -40,6 +42,16 @@ def test_fixed_opponent_is_exploitable_and_random_play_loses():
         assert best_response_value(fixed_opponent, seat) == pytest.approx(1 / 6, abs=1e-9)
     assert seat_value(uniform_policy, fixed_opponent, 1) == pytest.approx(-0.375)
     assert seat_value(uniform_policy, fixed_opponent, 2) == pytest.approx(-5 / 12)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1 / 6, 1 / 3])
+def test_the_equilibrium_is_unexploitable_and_other_play_is_not(alpha):
+    assert exploitability(strategy_of(nash_p1(alpha)), strategy_of(nash_p2)) == pytest.approx(0.0, abs=1e-12)
+    # the fixed opponent in both seats: a best response earns 1/6 against it in either seat
+    assert exploitability(strategy_of(fixed_opponent), strategy_of(fixed_opponent)) == pytest.approx(1 / 6)
+    # a policy that never answers 0/1 forfeits its ante at its first turn in either seat
+    forfeit = lambda c, h: (0.0, 0.0)
+    assert exploitability(forfeit, forfeit) == pytest.approx(1.0)
 
 
 def _play(env: KuhnPoker, seed: int, policy) -> float:
