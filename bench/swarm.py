@@ -64,7 +64,7 @@ from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a scr
 from hostile import RUN, join  # noqa: E402
 from swarm import Swarm, signed_submit  # noqa: E402
 
-from echorl.net.host import HostConfig, RemoteError, open_host  # noqa: E402
+from echorl.net.host import HostConfig, PeerUnavailable, RemoteError, open_host  # noqa: E402
 from echorl.protocol import routes  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
 from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, Status, StatusRequest  # noqa: E402
@@ -148,8 +148,17 @@ async def one_peer(i: int, args: argparse.Namespace, events: list, joined: list,
 
 
 def why(exc: Exception) -> str:
-    """An error's kind for the counts: the learner's refusal code, else the exception's type."""
-    return exc.code.value if isinstance(exc, RemoteError) else type(exc).__name__
+    """An error's kind for the counts: the learner's refusal code, else the exception's type; a
+    PeerUnavailable also says where it failed (``open``: no stream could be opened, with the
+    cause's type; ``no_reply``: the deadline; else the stream error's type)."""
+    if isinstance(exc, RemoteError):
+        return exc.code.value
+    if isinstance(exc, PeerUnavailable):
+        text = str(exc)
+        cause = text.split(": ")[1].split(":")[0].split(" ")[0] if ": " in text else "?"
+        where = "open:" if text.startswith("open ") else ""
+        return f"{type(exc).__name__}({where}{'no_reply' if 'no reply within' in text else cause})"
+    return type(exc).__name__
 
 
 async def worker(args: argparse.Namespace) -> None:
