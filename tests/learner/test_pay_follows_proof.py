@@ -97,7 +97,11 @@ def test_a_proven_cheat_loses_its_unverified_pay_pending_leases_and_buffered_gro
     assert {p.prompt_id for p in svc.buffer.requeued} == {"c-a", "c-b", "c-pending", "c-refused"}
     assert not svc.leases.held_by(CHEAT)  # its pending submissions are refused (unknown_lease)
     assert (svc.police.counters["receipts_voided"], svc.police.counters["groups_purged"]) == (2, 2)
-    assert svc.status().peers  # the voided columns fit the status row
+    from echorl.cli.ledger import from_status
+
+    status = svc.status()  # the voided columns fit the status row; `echorl ledger` shows them
+    rows = {r["peer_id"]: r for r in from_status({"run_id": status.run_id, "peers": status.peers})}
+    assert (rows[CHEAT]["groups_accepted"], rows[CHEAT]["groups_voided"], rows[HONEST]["groups_voided"]) == (1, 2, 0)
     svc.police.convict(CHEAT)  # a second conviction voids nothing twice
     assert svc.peers.accounts[CHEAT].groups_voided == 2 and svc.police.counters["receipts_voided"] == 2
 
