@@ -20,13 +20,15 @@ right answer + EOS), ``unseeded`` (today's sampler: the right distribution, not 
 Honest nodes: ``fp32`` (the learner's engine) and ``bf16`` (weights and compute in bfloat16 on
 CPU, declared: checked with the bf16 row).
 
-Lines: one per class (``cheat``, ``submissions_checked``, ``detected_frac``, ``flagged_after``: the
-expected submissions until one is checked and caught at the default check fraction, and
-``p_caught_within_3``), one per honest engine (``honest``, ``samples_checked``,
-``submissions_checked``, ``false_flags``, ``position_miss_rate``), one with ``verify_cpu_frac``
-(replay CPU per submission × the check fraction / generation CPU per submission) and
-``throughput_ratio`` (seeded vs today's sampler, same batches, same run). ``--calibrate`` adds
-the curve: per-position miss rates of honest fp32/bf16 and of the weakest cheat against the gap.
+Lines: one per class (``cheat``, ``submissions_checked``, ``detected_frac``, ``flagged_after``:
+the expected submissions until a cheat from the start is caught, its first ``NEWCOMER_CHECKS``
+all checked and the rest at the default check fraction; ``p_caught_within_3`` for it, and
+``p_caught_within_3_turned`` for one that turns after its newcomer checks), one per honest
+engine (``honest``, ``samples_checked``, ``submissions_checked``, ``false_flags``,
+``position_miss_rate``), one with ``verify_cpu_frac`` (replay CPU per submission × the check
+fraction / generation CPU per submission) and ``throughput_ratio`` (seeded vs today's sampler,
+same batches, same run). ``--calibrate`` adds the curve: per-position miss rates of honest
+fp32/bf16 and of the weakest cheat against the gap.
 """
 
 from __future__ import annotations
@@ -186,10 +188,27 @@ def run_class(
         "declared_dtype": declare,
         "submissions_checked": leases,
         "detected_frac": round(d, 4),
-        "flagged_after": round(1 / per_submission, 1) if per_submission else None,
-        "p_caught_within_3": round(1 - (1 - per_submission) ** 3, 4),
+        "flagged_after": round(expected_until_caught(CHECK_FRACTION, d), 1) if d else None,
+        "p_caught_within_3": round(p_caught_within(3, CHECK_FRACTION, d), 4),
+        "p_caught_within_3_turned": round(1 - (1 - per_submission) ** 3, 4),
         "p_caught_within_3_all_checked": round(1 - (1 - d) ** 3, 6),
     }
+
+
+def p_caught_within(k: int, f: float, d: float) -> float:
+    """A cheat from its first submission: each of a newcomer's first ``NEWCOMER_CHECKS`` is checked
+    (caught with probability ``d``), each later one with ``f`` (learner/policing.py)."""
+    from echorl.learner.policing import NEWCOMER_CHECKS
+
+    return 1 - (1 - d) ** min(k, NEWCOMER_CHECKS) * (1 - f * d) ** max(0, k - NEWCOMER_CHECKS)
+
+
+def expected_until_caught(f: float, d: float) -> float:
+    """Expected submissions until a cheat from the start is caught: Σ_k P(not caught before k)."""
+    from echorl.learner.policing import NEWCOMER_CHECKS
+
+    first = sum((1 - d) ** j for j in range(NEWCOMER_CHECKS))
+    return first + (1 - d) ** NEWCOMER_CHECKS / (f * d)
 
 
 def run_honest(lab: Lab, kind: str, leases: int, gaps: list[float]) -> dict[str, Any]:

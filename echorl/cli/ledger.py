@@ -1,7 +1,8 @@
 """``echorl ledger``: who contributed what to a run.
 
 ``--bootstrap ADDR`` asks the learner (its ``Status``: per node accepted submissions, groups and
-tokens, rejected submissions by reason, cost). ``--receipts FILE …`` needs no network: it
+tokens, rejected submissions by reason, cost; and what was voided: the groups and cost of a node's
+receipts that no replay verified, once the node was proven to cheat). ``--receipts FILE …`` needs no network: it
 verifies every receipt a node kept (``node/receipts.py``) against the one learner pinned with
 ``--learner-id`` (required: a file of receipts a made-up learner signed for itself proves
 nothing), counts each (learner, run, lease) once across all files, and sums what each node was
@@ -31,6 +32,8 @@ COLUMNS = (
     "top_rejection",
     "rejections",
     "cost",
+    "groups_voided",
+    "cost_voided",
 )
 
 
@@ -75,6 +78,8 @@ def from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
                 "top_rejection": p.get("top_rejection"),
                 "rejections": " ".join(f"{k}={v}" for k, v in sorted(reasons.items())),
                 "cost": p.get("cost"),
+                "groups_voided": p.get("groups_voided"),
+                "cost_voided": p.get("cost_voided"),
             }
         )
     return rows
@@ -114,6 +119,8 @@ def from_receipts(paths: list[str], learner_id: str) -> tuple[list[dict[str, Any
                     "top_rejection": None,
                     "rejections": "",
                     "cost": None,
+                    "groups_voided": None,  # the learner voids, the receipts cannot say
+                    "cost_voided": None,
                 },
             )
             row["submissions_accepted"] += 1
@@ -138,7 +145,7 @@ def render(rows: list[dict[str, Any]], title: str) -> None:
     from echorl.cli.status import show
 
     t = Table(title=title, box=box.SIMPLE)
-    for col in ("run", "node", "subs ok", "groups", "tokens", "rejected", "top reason", "cost"):
+    for col in ("run", "node", "subs ok", "groups", "tokens", "rejected", "top reason", "cost", "voided"):
         t.add_column(col, no_wrap=True, justify="left" if col in ("run", "node", "top reason") else "right")
     for r in rows:
         cost = r.get("cost")
@@ -156,6 +163,7 @@ def render(rows: list[dict[str, Any]], title: str) -> None:
                 )
             ),
             "-" if cost is None else f"{cost:.4f}",
+            "-" if r.get("groups_voided") is None else f"{r['groups_voided']} groups",
         )
     show(Console(), t)
 

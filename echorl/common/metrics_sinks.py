@@ -122,7 +122,19 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "groups_over_batch_share",
         "echorl_groups_over_batch_share_total",
         "counter",
-        "rollout groups re-queued unpaid: their peer held max_batch_share of the buffer",
+        "rollout groups re-queued unpaid: their peer or its address held max_batch_share of the buffer",
+    ),
+    (
+        "receipts_voided",
+        "echorl_receipts_voided_total",
+        "counter",
+        "receipts no replay had verified, voided when their peer was proven to cheat (groups and cost uncounted)",
+    ),
+    (
+        "groups_purged",
+        "echorl_groups_purged_total",
+        "counter",
+        "buffered groups of peers proven to cheat, dropped before any batch took them (prompts re-queued)",
     ),
     (
         "fetch_rate_limited",

@@ -260,24 +260,38 @@ class Admission:
     def batch_room(self, peer_id: str, buffered: list[str] | Callable[[], list[str]], batch: int) -> int:
         """Groups ``peer_id`` may still add to the buffer (``buffered``: its prompt ids, the
         groups waiting for batches, or what lists them: read only when the share is on, since a
-        scan per submission is O(B)). While other peers have groups buffered, one peer's stay
-        within ``max_batch_share`` of the buffer (at least that share of one ``batch``, rounded
-        up); with none buffered by others there is no bound: a lone contributor crowds out nobody,
-        and idle identities (nothing buffered) cannot stall it."""
+        scan per submission is O(B)). While others have groups buffered, one peer's, and one
+        address's (``PeerBook.address_of``: IPv4 address, IPv6 /64, so many identities of one
+        host get one share between them), stay within ``max_batch_share`` of the buffer (at least
+        that share of one ``batch``, rounded up); with none buffered by others there is no bound:
+        a lone contributor crowds out nobody, and idle identities (nothing buffered) cannot stall it."""
         share = self.policy.max_batch_share
         if share >= 1.0:  # off (the default): no scan of the buffer per submission, O(B) each
             return limits.MAX_PROMPTS_PER_LEASE  # never binding: no submission has more groups
         ids = buffered() if callable(buffered) else buffered
-        held = sum(1 for pid in ids if self.contributors.get(pid) == peer_id)
-        others = len(ids) - held
-        if others == 0:
-            return limits.MAX_PROMPTS_PER_LEASE
-        # held ≤ share · (held + others)  ⇔  held ≤ share / (1 − share) · others
-        limit = max(math.ceil(share * batch), math.floor(share / (1.0 - share) * others))
-        return max(0, limit - held)
+        owners = [self.contributors.get(pid) for pid in ids]
+        mine, address_of = self.book.address_of(peer_id), self.book.address_of
+        by_peer = sum(1 for o in owners if o == peer_id)
+        by_address = sum(1 for o in owners if o is not None and address_of(o) == mine)
+        return min(_share_room(share, by_peer, len(ids), batch), _share_room(share, by_address, len(ids), batch))
+
+    def buffered_by(self, peer_id: str, buffered: list[str]) -> list[str]:
+        """The prompt ids among ``buffered`` whose group ``peer_id`` contributed."""
+        return [pid for pid in buffered if self.contributors.get(pid) == peer_id]
 
     def contributors_of(self, prompt_ids: list[str]) -> set[str]:
         return {self.contributors.pop(p) for p in prompt_ids if p in self.contributors}
+
+
+def _share_room(share: float, held: int, total: int, batch: int) -> int:
+    """Groups one holder of ``held`` of the ``total`` buffered may add within ``share`` (see
+    ``Admission.batch_room``; unbounded while no one else holds any)."""
+    others = total - held
+    if others == 0:
+        return limits.MAX_PROMPTS_PER_LEASE
+    # held ≤ share · (held + others)  ⇔  held ≤ share / (1 − share) · others
+    limit = max(math.ceil(share * batch), math.floor(share / (1.0 - share) * others))
+    return max(0, limit - held)
 
 
 def convert_submission(

@@ -275,8 +275,9 @@ CHECKS: tuple[Check, ...] = (
         SubmitChecks.spot_check,
         {E.LOGPROB_MISMATCH: "rollouts_rejected_logprob", E.UNVERIFIABLE: "submissions_rejected_unverifiable"},
         "",
-        "Spot check of behaviour log-probs, for a fraction of submissions and every one of a flagged peer "
-        "(`logprob_mismatch`; `unverifiable` if it cannot run: never accepted unchecked).",
+        "Spot check of behaviour log-probs, for a fraction of submissions and every one of a flagged peer, "
+        "of a peer from a proven cheat's address and of a newcomer's first 3 (`logprob_mismatch`; "
+        "`unverifiable` if it cannot run: never accepted unchecked).",
     ),
     Check(
         "sampled",

@@ -5,7 +5,10 @@ groups and tokens (each one answered with a signed ``Receipt``) and rejected sub
 reason (the ``ErrorCode`` a submission was refused with: a closed set, so the per-peer map is
 bounded; at most ``MAX_PEERS`` peers are tracked, later ones are counted under
 ``peers_untracked`` only). The accounts and the receipt sequence are checkpointed, so a resumed
-learner's per-node figures go on from where they were and equal the node's receipts. Cost: each
+learner's per-node figures go on from where they were and equal the node's receipts. A peer proven
+to cheat (``learner/policing.py``) has its receipts that no replay verified voided: their groups,
+tokens and cost leave its accepted figures for the ``*_voided`` columns (``PeerAccount.void_unverified``);
+its verified receipts stand. Cost: each
 node's declared price × the seconds of its *accepted, paid* work (a lease's issue → result, at
 most what the fleet takes for such a lease: ``Admission.on_result``), so joining and idling, or
 answering slowly, costs the run nothing more; time joined and alive is kept beside it (``tick``);
@@ -111,7 +114,7 @@ class Ledger:
         )
         self.seq += 1
         if credit:
-            self.book.account(peer_id).credit(submitted, groups, tokens)
+            self.book.account(peer_id).credit(submitted, groups, tokens, verified)
         return receipt
 
     async def issue(
@@ -143,9 +146,9 @@ class Ledger:
         )
         signed: Receipt = await trio.to_thread.run_sync(wire.sign, receipt, self.identity)
         account = self.book.account(peer_id)
-        account.credit(submitted, len(kept), tokens)
+        account.credit(submitted, len(kept), tokens, verified)
         if kept and (peer := self.book.get(peer_id)) is not None:
-            account.bill(work_s * len(kept) / max(1, submitted), float(peer.capability.price_per_hour))
+            account.bill(work_s * len(kept) / max(1, submitted), float(peer.capability.price_per_hour), verified)
         return signed
 
     def counting(self, handler: Handler) -> Handler:
@@ -211,6 +214,9 @@ class Ledger:
             "top_rejection": acc.top_rejection(),
             "joined_s": round(acc.joined_s, 1),
             "cost": round(acc.cost, 6),
+            "submissions_voided": acc.submissions_voided,
+            "groups_voided": acc.groups_voided,
+            "cost_voided": round(acc.cost_voided, 6),
         }
         out.update({f"rejected_{k}": v for k, v in sorted(acc.rejected.items())})
         return out

@@ -13,7 +13,8 @@
   checkpoint, a restart (``learner/resume.py``): the learner's per-node figures equal the
   node's receipts.
 - Flags: spot-check mismatch counts (a ban at ``spot_check_ban_after``) and the flagged set
-  (every submission of a flagged peer is spot-checked).
+  (every submission of a flagged peer is spot-checked); the addresses a proven cheat joined from,
+  for ``CHEAT_ADDRESS_MEMORY_S`` (every identity from one is a ``suspect``: all checked, none banned).
 - Addresses: each member's listen addresses (its capability), its join's IP slot (at most
   ``max_peers_per_ip`` members per address, ``learner/roster.py``), and the addresses of the
   nodes a resumed learner re-dials.
@@ -42,6 +43,14 @@ MAX_ACCOUNTS = 4096
 ACTIVE_WINDOW_S = 30.0
 """A member heard from within this long (and alive) is active: counted, leased, planned."""
 SECONDS_PER_HOUR = 3600.0
+CHEAT_ADDRESS_MEMORY_S = 24 * 3600.0
+"""How long the address (IPv4, IPv6 /64) a proven cheat joined from stays suspect: every identity
+from it has each submission checked, none is refused, so an honest peer behind the same NAT or /64
+works on at the price of a check per submission. Identities are free, so a cheater re-joins at once
+under a new key: a day outlasts that loop many times over, while an address a home ISP or a cloud
+re-assigns does not carry the stain for ever (its next holder pays a bounded cost)."""
+MAX_CHEAT_ADDRESSES = 4096
+"""Suspect addresses kept (the ones expiring soonest give way): bounded like the accounts."""
 
 
 @dataclass
@@ -57,6 +66,16 @@ class PeerAccount:
     groups_generated: int = 0  # groups of accepted submissions
     joined_s: float = 0.0  # time joined and alive
     cost: float = 0.0  # Σ price × seconds of accepted work (Ledger.issue)
+    # the part of the above whose receipts were not verified by a replay: voided if the peer is
+    # proven to cheat (``void_unverified``), then counted under the voided columns instead
+    unverified_submissions: int = 0
+    unverified_groups: int = 0
+    unverified_tokens: int = 0
+    unverified_cost: float = 0.0
+    submissions_voided: int = 0
+    groups_voided: int = 0
+    tokens_voided: int = 0
+    cost_voided: float = 0.0
 
     @property
     def rejected_total(self) -> int:
@@ -70,12 +89,34 @@ class PeerAccount:
         """Measured rollout-group throughput while generating (μ_i of the capacity model)."""
         return self.groups_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
-    def credit(self, submitted: int, groups: int, tokens: int) -> None:
-        """An accepted submission: ``groups`` of ``submitted`` went into the buffer."""
+    def credit(self, submitted: int, groups: int, tokens: int, verified: bool = False) -> None:
+        """An accepted submission: ``groups`` of ``submitted`` went into the buffer; not
+        ``verified`` (its receipt says so), it stays voidable."""
         self.submissions_accepted += 1
         self.groups_accepted += groups
         self.groups_dropped += submitted - groups
         self.tokens_accepted += tokens
+        if not verified:
+            self.unverified_submissions += 1
+            self.unverified_groups += groups
+            self.unverified_tokens += tokens
+
+    def void_unverified(self) -> int:
+        """The peer is proven to cheat: its receipts that no replay verified stop counting (their
+        groups, tokens and billed cost move to the voided columns); verified ones stand. Returns
+        the receipts voided."""
+        n = self.unverified_submissions
+        self.submissions_accepted -= n
+        self.groups_accepted -= self.unverified_groups
+        self.tokens_accepted -= self.unverified_tokens
+        self.cost = max(0.0, self.cost - self.unverified_cost)
+        self.submissions_voided += n
+        self.groups_voided += self.unverified_groups
+        self.tokens_voided += self.unverified_tokens
+        self.cost_voided += self.unverified_cost
+        self.unverified_submissions = self.unverified_groups = self.unverified_tokens = 0
+        self.unverified_cost = 0.0
+        return n
 
     def generated(self, groups: int, seconds: float) -> None:
         """The generation an accepted submission took (its throughput measurement)."""
@@ -89,9 +130,13 @@ class PeerAccount:
         """``seconds`` more joined and alive."""
         self.joined_s += max(0.0, seconds)
 
-    def bill(self, seconds: float, price_per_hour: float) -> None:
-        """``seconds`` of accepted work at ``price_per_hour`` (time joined is not billed)."""
-        self.cost += max(0.0, price_per_hour) * max(0.0, seconds) / SECONDS_PER_HOUR
+    def bill(self, seconds: float, price_per_hour: float, verified: bool = False) -> None:
+        """``seconds`` of accepted work at ``price_per_hour`` (time joined is not billed); not
+        ``verified``, the amount stays voidable."""
+        amount = max(0.0, price_per_hour) * max(0.0, seconds) / SECONDS_PER_HOUR
+        self.cost += amount
+        if not verified:
+            self.unverified_cost += amount
 
 
 @dataclass
@@ -222,6 +267,7 @@ class PeerBook:
         self.accounts: dict[str, PeerAccount] = {}
         self.mismatches: dict[str, int] = {}  # spot-check / replay mismatches (flags survive re-joins)
         self.flagged: set[str] = set()  # every submission of these is spot-checked
+        self.cheat_addrs: dict[str, float] = {}  # ip key -> until when (wall clock) it is suspect
         self.remembered_addrs: dict[str, list[str]] = {}  # nodes of a checkpoint, to re-dial
         self.untracked = 0  # peers beyond MAX_ACCOUNTS (their accounts are not kept)
 
@@ -389,11 +435,41 @@ class PeerBook:
         self.flag(peer_id)
         return n
 
-    def restore_flags(self, mismatches: dict[str, int], addrs: dict[str, list[str]]) -> None:
-        """A checkpoint's flags (each counted peer flagged again) and the nodes to re-dial."""
+    def remember_cheat(self, peer_id: str, now: float | None = None) -> str:
+        """A proven cheat: the address its join came from is suspect for ``CHEAT_ADDRESS_MEMORY_S``
+        (the key; "" if its address is not known)."""
+        rec = self._members.get(peer_id)
+        key = rec.ip_key if rec is not None else ""
+        if key:
+            now = time.time() if now is None else now
+            self.cheat_addrs[key] = now + CHEAT_ADDRESS_MEMORY_S
+            self._bound_cheat_addrs(now)
+        return key
+
+    def _bound_cheat_addrs(self, now: float) -> None:
+        self.cheat_addrs = {k: t for k, t in self.cheat_addrs.items() if t > now}
+        while len(self.cheat_addrs) > MAX_CHEAT_ADDRESSES:
+            del self.cheat_addrs[min(self.cheat_addrs, key=self.cheat_addrs.__getitem__)]
+
+    def suspect(self, peer_id: str, now: float | None = None) -> bool:
+        """Whether every submission of the peer is checked: it is flagged, or it joined from an
+        address a proven cheat joined from within ``CHEAT_ADDRESS_MEMORY_S``."""
+        if peer_id in self.flagged:
+            return True
+        rec = self._members.get(peer_id)
+        until = self.cheat_addrs.get(rec.ip_key, 0.0) if rec is not None and rec.ip_key else 0.0
+        return until > (time.time() if now is None else now)
+
+    def restore_flags(
+        self, mismatches: dict[str, int], addrs: dict[str, list[str]], cheat_addrs: dict[str, float] | None = None
+    ) -> None:
+        """A checkpoint's flags (each counted peer flagged again), suspect addresses and the nodes
+        to re-dial."""
         self.mismatches = dict(mismatches)
         self.flagged |= set(mismatches)
         self.remembered_addrs = dict(addrs)
+        self.cheat_addrs.update(cheat_addrs or {})
+        self._bound_cheat_addrs(time.time())
 
     def restore_accounts(self, accounts: dict[str, PeerAccount]) -> None:
         """A checkpoint's accounts (a member's record shares its restored account)."""

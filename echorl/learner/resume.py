@@ -1,6 +1,7 @@
 """What a learner checkpoint keeps of its network service, and how a resumed learner uses it.
 
-- Spot-check mismatch counts: a peer flagged or banned before a restart stays so after it.
+- Spot-check mismatch counts: a peer flagged or banned before a restart stays so after it; the
+  addresses proven cheats joined from, with when each stops being suspect (wall clock).
 - Every node's account (accepted submissions, groups, tokens, rejections by reason, generation
   time, cost) and the receipt sequence: a resumed learner's per-node figures go on from where
   they were, so they equal the receipts the node holds.
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from echorl.learner.peers import MAX_ACCOUNTS, PeerAccount, PeerBook
+from echorl.learner.peers import MAX_ACCOUNTS, MAX_CHEAT_ADDRESSES, PeerAccount, PeerBook
 from echorl.protocol.errors import ErrorCode
 from echorl.protocol.identity import short_id
 from echorl.rl.checkpoint import check_state_keys
@@ -46,11 +47,22 @@ class SavedService:
     mismatches: dict[str, int] = field(default_factory=dict)
     addrs: dict[str, list[str]] = field(default_factory=dict)
     accounts: dict[str, PeerAccount] = field(default_factory=dict)
+    cheat_addrs: dict[str, float] = field(default_factory=dict)
 
 
-_KEYS = {"logprob_mismatches", "peer_addrs", "accounts", "receipts_issued"}
+_KEYS = {"logprob_mismatches", "peer_addrs", "accounts", "receipts_issued", "cheat_addresses"}
 _ACCOUNT_INTS = ("submissions_accepted", "groups_accepted", "groups_dropped", "tokens_accepted", "groups_generated")
 _ACCOUNT_FLOATS = ("generate_seconds", "joined_s", "cost")
+_VOIDABLE_INTS = (
+    "unverified_submissions",
+    "unverified_groups",
+    "unverified_tokens",
+    "submissions_voided",
+    "groups_voided",
+    "tokens_voided",
+)
+_VOIDABLE_FLOATS = ("unverified_cost", "cost_voided")
+"""Account fields a checkpoint of older code lacks (read as 0): the rest are required."""
 _REASONS = {code.value for code in ErrorCode}
 
 
@@ -67,6 +79,7 @@ def encode_service_state(book: PeerBook) -> dict[str, Any]:
         "logprob_mismatches": dict(book.mismatches),
         "peer_addrs": {p.peer_id: list(p.capability.listen_addrs)[:MAX_ADDRS_PER_PEER] for p in recent},
         "accounts": {peer_id: asdict(acc) for peer_id, acc in book.accounts.items()},
+        "cheat_addresses": dict(book.cheat_addrs),
     }
 
 
@@ -91,23 +104,30 @@ def decode_service_state(state: object) -> SavedService:
             log.warning("checkpoint: ignoring account entry %r", peer_id)
             continue
         out.accounts[peer_id] = acc
+    for key, until in list(_dict(state, "cheat_addresses").items())[:MAX_CHEAT_ADDRESSES]:
+        if isinstance(key, str) and isinstance(until, (int, float)) and math.isfinite(until):
+            out.cheat_addrs[key] = float(until)
+        else:
+            log.warning("checkpoint: ignoring suspect address entry %r", key)
     return out
 
 
 def _account(saved: object) -> PeerAccount | None:
     """A saved account, or None if any field is missing, unknown or out of range."""
-    if not isinstance(saved, dict) or set(saved) != {*_ACCOUNT_INTS, *_ACCOUNT_FLOATS, "rejected"}:
+    required = {*_ACCOUNT_INTS, *_ACCOUNT_FLOATS, "rejected"}
+    if not isinstance(saved, dict) or not required <= set(saved) <= {*required, *_VOIDABLE_INTS, *_VOIDABLE_FLOATS}:
         return None
-    rejected = saved["rejected"]
-    ints_ok = all(_count(saved[k]) for k in _ACCOUNT_INTS)
-    floats_ok = all(isinstance(saved[k], (int, float)) and 0 <= saved[k] < math.inf for k in _ACCOUNT_FLOATS)
+    saved = {**dict.fromkeys((*_VOIDABLE_INTS, *_VOIDABLE_FLOATS), 0), **saved}
+    ints, floats, rejected = (*_ACCOUNT_INTS, *_VOIDABLE_INTS), (*_ACCOUNT_FLOATS, *_VOIDABLE_FLOATS), saved["rejected"]
+    ints_ok = all(_count(saved[k]) for k in ints)
+    floats_ok = all(isinstance(saved[k], (int, float)) and 0 <= saved[k] < math.inf for k in floats)
     reasons_ok = isinstance(rejected, dict) and all(r in _REASONS and _count(n) for r, n in rejected.items())
     if not (ints_ok and floats_ok and reasons_ok):
         return None
     acc = PeerAccount(rejected={str(r): int(n) for r, n in rejected.items()})
-    for k in _ACCOUNT_INTS:
+    for k in ints:
         setattr(acc, k, int(saved[k]))
-    for k in _ACCOUNT_FLOATS:
+    for k in floats:
         setattr(acc, k, float(saved[k]))
     return acc
 

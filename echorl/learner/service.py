@@ -125,7 +125,7 @@ class LearnerService:
             identity, run_id, self.peers, price_per_hour=settings.price_per_hour, learner_rate=learner_rate
         )
         self.police = Police(
-            self.peers, self.leases, self.admission, self._refuse, self._requeue, spot, settings.spot_check_ban_after
+            self.peers, self.leases, self.admission, self._refuse, self.buffer, spot, settings.spot_check_ban_after
         )
         self.checks = SubmitChecks(
             run_id=run_id,
@@ -195,7 +195,7 @@ class LearnerService:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore flags (and bans), accounts, receipts and the addresses to re-dial."""
         saved = decode_service_state(state)
-        self.peers.restore_flags(saved.mismatches, saved.addrs)
+        self.peers.restore_flags(saved.mismatches, saved.addrs, saved.cheat_addrs)
         self.peers.restore_accounts(saved.accounts)
         self.ledger.load_state_dict(state)
         if saved.mismatches:

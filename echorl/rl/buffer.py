@@ -163,6 +163,16 @@ class StalenessBuffer:
         """Prompt ids of the accepted groups waiting for a batch, oldest first."""
         return [g.prompt_id for g in self._ready]
 
+    def drop(self, prompt_ids: list[str]) -> int:
+        """Remove these buffered groups before any batch takes them (their contributor was proven
+        to cheat); their prompts are re-queued. Returns the groups removed."""
+        ids = set(prompt_ids)
+        gone = [g for g in self._ready if g.prompt_id in ids]
+        if gone:
+            self._ready = deque(g for g in self._ready if g.prompt_id not in ids)
+            self.requeued.extend(self._prompts.pop(g.prompt_id) for g in gone)
+        return len(gone)
+
     def take(self, n: int, current_version: int) -> list[RolloutGroup] | None:
         """Drop groups that became stale (re-queueing their prompts); then return the ``n``
         oldest usable groups, or None (and keep them) if fewer than ``n`` are ready."""

@@ -234,7 +234,8 @@ def test_service_answers_env_mismatch_and_counts_it_against_the_peer(backend):
 
     trio.run(main)
     assert svc.counters["rollouts_rejected_env"] == 1 and svc.peers.mismatches == {node.peer_id: 1}
-    assert svc.counters["peers_flagged"] == 1 and len(buf) == 1 and not svc.leases.active
+    assert svc.counters["peers_flagged"] == 1 and not svc.leases.active
+    assert len(buf) == 0 and svc.counters["groups_purged"] == 1  # convicted: its waiting group is not trained on
 
 
 def test_a_turn_is_checked_with_a_bounded_number_of_decodes(backend):
