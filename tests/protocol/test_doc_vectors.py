@@ -221,6 +221,7 @@ def test_strikes_downloads_and_liveness_are_the_code_s() -> None:
     from echorl.broadcast.broadcaster import Broadcaster
     from echorl.broadcast.chunk_server import ChunkServer
     from echorl.broadcast.relay import NODE_FETCH_LIMIT
+    from echorl.learner.service import LearnerService
     from echorl.net.guard import RefusalStrikes
 
     strikes = RefusalStrikes()
@@ -237,6 +238,8 @@ def test_strikes_downloads_and_liveness_are_the_code_s() -> None:
     every_s = params["liveness_every_s"].default
     assert (float(every), int(misses)) == (every_s, params["liveness_misses"].default)
     assert float(each) == max(5.0, every_s)  # Broadcaster._probe's ping timeout
+    sweep = _find(r"sweep that decides whom to ping runs every ([\d.]+) s")[0]
+    assert float(sweep) == inspect.signature(LearnerService.maintain).parameters["interval_s"].default
 
 
 def test_the_plan_worked_example_is_the_planner_s() -> None:
