@@ -129,6 +129,43 @@ def test_every_route_is_in_the_admission_table() -> None:
     assert {rid.removeprefix("/echorl/").removesuffix("/1") for rid in ROUTES} <= named
 
 
+def _admission_rows() -> dict[str, str]:
+    """§1.1 "Who may call which route": route short name -> what the learner admits."""
+    table = _section("**Who may call which route.**", "Past the admission check")
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows |= dict.fromkeys(re.findall(r"`([a-z/]+)`", cells[0]), cells[1])
+    return rows
+
+
+def test_the_learner_admits_its_control_routes_as_documented() -> None:
+    """The learner's control routes (``LearnerService.install``): "anyone" is served with no
+    sender check, "joined peers" behind the membership check, which refuses a stranger."""
+    from echorl.learner.config import ServiceFields
+    from echorl.learner.service import LearnerService
+    from echorl.rl.buffer import StalenessBuffer
+    from echorl.tasks import load_task
+
+    class _Host:
+        def serve(self, handlers: dict, admit: dict | None = None, max_request_bytes: object = None) -> None:
+            self.handlers, self.admit = handlers, admit or {}
+
+    settings = ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=2, staleness=2)
+    svc = LearnerService(
+        Identity.generate(), "run", load_task("addition", digits=2), None, StalenessBuffer(2), settings, 100
+    )
+    host = _Host()
+    svc.install(host)  # type: ignore[arg-type]
+    documented = _admission_rows()
+    for rid in host.handlers:
+        name = rid.removeprefix("/echorl/").removesuffix("/1")
+        admit = host.admit.get(rid)
+        assert documented[name] == ("anyone" if admit is None else "joined peers"), name
+        assert admit is None or not admit(Identity.generate().peer_id), name  # a stranger is refused
+
+
 def test_the_submit_cap_is_the_documented_formula() -> None:
     from echorl.learner.admission import submit_cap
     from echorl.learner.config import LearnerConfig
