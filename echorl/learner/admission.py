@@ -314,7 +314,7 @@ def convert_submission(
         raise ProtocolError(ErrorCode.SCHEMA, "groups do not match the lease's prompts")
     stop = list(sampling.stop)
     episodic = task is not None and is_episodic(task)
-    limit = int(getattr(task, "max_episode_tokens", 0)) if episodic else sampling.max_new_tokens
+    limit = sample_tokens(task, sampling)
     eos = getattr(tokenizer, "eos_token_id", None)
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     out = []
@@ -362,6 +362,17 @@ def convert_submission(
             )
         )
     return out
+
+
+def sample_tokens(task: Task | None, sampling: SamplingSpec) -> int:
+    """Most tokens one sample may carry: a completion's ``max_new_tokens``, an episode's whole
+    transcript (``max_episode_tokens``, many turns of ``max_new_tokens``). The completion check
+    and the submit cap both read it, so an honest episode is never refused ``oversized``."""
+    from echorl.tasks.env import is_episodic
+
+    if task is not None and is_episodic(task):
+        return int(getattr(task, "max_episode_tokens", 0))
+    return sampling.max_new_tokens
 
 
 def submit_cap(max_new_tokens: int, group_size: int, prompts_per_lease: int) -> int:

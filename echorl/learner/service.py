@@ -30,7 +30,7 @@ import trio
 
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.learner.activation import Activator
-from echorl.learner.admission import Admission, finite_row, submit_cap
+from echorl.learner.admission import Admission, finite_row, sample_tokens, submit_cap
 from echorl.learner.checks import STALE, Submission, SubmitChecks
 from echorl.learner.config import ServiceFields
 from echorl.learner.leases import LeaseBook, LeaseRecord
@@ -221,7 +221,7 @@ class LearnerService:
             # joins, dial-backs and the run's end: learner/membership.py
             admit=joined,
             max_request_bytes={
-                routes.SUBMIT: submit_cap(self.sampling.max_new_tokens, s.group_size, s.prompts_per_lease)
+                routes.SUBMIT: submit_cap(sample_tokens(self.task, self.sampling), s.group_size, s.prompts_per_lease)
             },
         )
 
