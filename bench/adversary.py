@@ -448,8 +448,9 @@ async def slow_walker_32(t: Target, seen: Counter) -> None:
 
 @attack("slow_walker_8x4")
 async def slow_walker_8x4(t: Target, seen: Counter) -> None:
-    """4 identities from each of 8 loopback addresses of their own (127.0.0.2 … 127.0.0.9)."""
-    await slow_walker(t, seen, 4, [loopback(i) for i in range(8)])
+    """4 identities from each of 8 loopback addresses of their own (127.0.0.3 … 127.0.0.10: not
+    ``slow_walker_32``'s, whose members may still hold its address's join slots)."""
+    await slow_walker(t, seen, 4, [loopback(1 + i) for i in range(8)])
 
 
 @attack("activation_liar")
