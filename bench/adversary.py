@@ -17,11 +17,15 @@ load or of the run itself (steps get faster as completions get shorter) is share
 One JSON line per class (``--json``): ``attack``, ``goodput_ratio`` and ``steps_ratio``
 (attack / clean), ``clean_goodput``, ``attack_goodput``, ``clean_steps_per_s``,
 ``attack_steps_per_s``, ``window_s``, ``learner_alive``, ``attacker_saw`` (what the learner
-answered the attacker, by code) and ``loadavg``; ``ssrf_ticket`` also ``bytes_to_other_addresses``
+answered the attacker, by code), ``learner_in_window`` (the learner's lease and submission
+counters that changed in the attack window, its CPU in cores, its mean broadcast seconds) and
+``loadavg``; ``ssrf_ticket`` also ``bytes_to_other_addresses``
 (bytes that reached an address other than the authenticated peer's). The target is ≥ 0.8 for
 every class, and 0 bytes to other addresses.
 
 Each class is one small function below (``ATTACKS``); add one there to measure a new attack.
+Identities of the many-address classes listen on and dial from loopback addresses of their own
+(``bench/_loopback.py``), so the learner's per-address rules see them as separate hosts.
 """
 
 from __future__ import annotations
