@@ -17,11 +17,15 @@ load or of the run itself (steps get faster as completions get shorter) is share
 One JSON line per class (``--json``): ``attack``, ``goodput_ratio`` and ``steps_ratio``
 (attack / clean), ``clean_goodput``, ``attack_goodput``, ``clean_steps_per_s``,
 ``attack_steps_per_s``, ``window_s``, ``learner_alive``, ``attacker_saw`` (what the learner
-answered the attacker, by code) and ``loadavg``; ``ssrf_ticket`` also ``bytes_to_other_addresses``
+answered the attacker, by code), ``learner_in_window`` (the learner's lease and submission
+counters that changed in the attack window, its CPU in cores, its mean broadcast seconds) and
+``loadavg``; ``ssrf_ticket`` also ``bytes_to_other_addresses``
 (bytes that reached an address other than the authenticated peer's). The target is ≥ 0.8 for
 every class, and 0 bytes to other addresses.
 
 Each class is one small function below (``ATTACKS``); add one there to measure a new attack.
+Identities of the many-address classes listen on and dial from loopback addresses of their own
+(``bench/_loopback.py``), so the learner's per-address rules see them as separate hosts.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the shared hostile doubles and the process swarm
 
-from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+from _loopback import bind_dials, listen_on, loopback  # noqa: E402 - bench/ is on sys.path when run as a script
+from _report import emit  # noqa: E402
 from hostile import (  # noqa: E402
     RUN,
     ThirdParty,
@@ -66,7 +71,7 @@ from hostile import (  # noqa: E402
 from swarm import Swarm, signed_submit  # noqa: E402
 
 from echorl.broadcast.broadcaster import DONE  # noqa: E402
-from echorl.net.host import RemoteError, open_host  # noqa: E402
+from echorl.net.host import HostConfig, RemoteError, open_host  # noqa: E402
 from echorl.protocol import routes, wire  # noqa: E402
 from echorl.protocol.identity import Identity, load_identity, short_id  # noqa: E402
 from echorl.protocol.messages import (  # noqa: E402
@@ -121,9 +126,14 @@ async def forever(step: Callable[[], Awaitable[str]], seen: Counter, pause: floa
 
 
 @asynccontextmanager
-async def joined(t: Target, tokens_per_s: float = 1.0) -> AsyncIterator[tuple[Any, Identity]]:
+async def joined(t: Target, tokens_per_s: float = 1.0, ip: str | None = None) -> AsyncIterator[tuple[Any, Identity]]:
+    """A fresh identity, connected and joined; from ``ip`` (a loopback address of
+    ``bench/_loopback.py``: listening and dialling from it) when given, else from the bench's own
+    address (127.0.0.1, the honest nodes' too)."""
     me = Identity.generate()
-    async with open_host(me) as host:
+    async with open_host(me, HostConfig(listen=listen_on(ip)) if ip else None) as host:
+        if ip:
+            bind_dials(host, ip)
         await host.connect(t.addr)
         await join(host, t.learner, me, tokens_per_s)
         yield host, me
@@ -386,13 +396,14 @@ async def node_announce_flood(t: Target, seen: Counter, streams: int = 4, identi
             await trio.sleep(0.2)
 
 
-async def slow_walker(t: Target, seen: Counter, identities: int) -> None:
-    """``identities`` joined identities from this process's address; each answers its first lease
-    at once (so the learner measures it fast), then holds every later one (two at a time) until
-    just before its deadline and answers it; it polls for leases 25 times a second."""
+async def slow_walker(t: Target, seen: Counter, identities: int, addresses: list[str | None]) -> None:
+    """``identities`` joined identities on each of ``addresses`` (``None``: this process's own
+    address, shared with the honest nodes); each answers its first lease at once (so the learner
+    measures it fast), then holds every later one (two at a time) until just before its deadline
+    and answers it; it polls for leases 25 times a second."""
 
-    async def one() -> None:
-        async with joined(t) as (host, me), trio.open_nursery() as nursery:
+    async def one(ip: str | None) -> None:
+        async with joined(t, ip=ip) as (host, me), trio.open_nursery() as nursery:
             answered = [0]
 
             async def answer(lease: Lease, v: int) -> None:
@@ -422,13 +433,28 @@ async def slow_walker(t: Target, seen: Counter, identities: int) -> None:
             await forever(ask, seen, pause=0.04)
 
     async with trio.open_nursery() as nursery:
-        for _ in range(identities):
-            nursery.start_soon(attack_until_refused, lambda _t, _s: one(), t, seen)
+        for ip in addresses:
+            for _ in range(identities):
+                nursery.start_soon(attack_until_refused, lambda _t, _s, _ip=ip: one(_ip), t, seen)
 
 
 @attack("slow_walker_3")
 async def slow_walker_3(t: Target, seen: Counter) -> None:
-    await slow_walker(t, seen, 3)
+    """3 identities from the bench's own address (the honest nodes' too: a shared NAT)."""
+    await slow_walker(t, seen, 3, [None])
+
+
+@attack("slow_walker_32")
+async def slow_walker_32(t: Target, seen: Counter) -> None:
+    """32 identities from one address of their own (127.0.0.2), not the honest nodes'."""
+    await slow_walker(t, seen, 32, [loopback(0)])
+
+
+@attack("slow_walker_8x4")
+async def slow_walker_8x4(t: Target, seen: Counter) -> None:
+    """4 identities from each of 8 loopback addresses of their own (127.0.0.3 … 127.0.0.10: not
+    ``slow_walker_32``'s, whose members may still hold its address's join slots)."""
+    await slow_walker(t, seen, 4, [loopback(1 + i) for i in range(8)])
 
 
 @attack("activation_liar")
@@ -491,6 +517,38 @@ def honest_totals(swarm: Swarm, honest_short: set[str]) -> tuple[int, int]:
     return int(last["step"]), sum(n for p, n in (last.get("per_node_groups") or {}).items() if p in honest_short)
 
 
+#: the learner's counters reported per attack window (changed ones only): where its leases went
+LEARNER_COUNTS = (
+    "leases_issued",
+    "leases_expired",
+    "leases_late",
+    "leases_refused",
+    "leases_active",
+    "rollouts_rejected_stale",
+    "submissions_accepted",
+    "joins_refused_ip_cap",
+    "members_displaced",
+)
+
+
+def learner_counts(swarm: Swarm) -> dict[str, int]:
+    """The newest metrics row's :data:`LEARNER_COUNTS` and the groups accepted from all members."""
+    rows = swarm.metrics()
+    last = rows[-1] if rows else {}
+    out = {k: int(last[k]) for k in LEARNER_COUNTS if isinstance(last.get(k), (int, float))}
+    out["groups_all_members"] = sum((last.get("per_node_groups") or {}).values())
+    return out
+
+
+def learner_cpu_s(swarm: Swarm) -> float:
+    """The learner process's user + system CPU seconds so far (/proc; 0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{swarm.learner.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 async def attack_until_refused(fn: Attack, t: Target, seen: Counter) -> None:
     """Run one attack; the learner refusing it outright (e.g. ``peer_limit`` at its join) ends
     it and is counted, never the bench."""
@@ -512,6 +570,8 @@ async def window(
     seen: Counter = Counter()
     async with trio.open_nursery() as nursery:
         s0, g0 = honest_totals(swarm, honest_short)
+        rows0 = swarm.metrics()
+        k0, cpu0 = learner_counts(swarm), learner_cpu_s(swarm)
         t0, c0 = time.monotonic(), time.process_time()
         if fn is not None:
             nursery.start_soon(attack_until_refused, fn, target, seen)
@@ -519,7 +579,15 @@ async def window(
         s1, g1 = honest_totals(swarm, honest_short)
         dt = time.monotonic() - t0
         seen["cpu_ms"] = int(1000 * (time.process_time() - c0))
+        k1, cpu1 = learner_counts(swarm), learner_cpu_s(swarm)
+        rows = [r for r in swarm.metrics()[len(rows0) :] if r.get("broadcast_seconds") is not None]
         nursery.cancel_scope.cancel()
+    # leases_active is a level, not a count: its value at the window's end
+    changed: dict[str, float] = {k: v if k == "leases_active" else v - k0.get(k, 0) for k, v in k1.items()}
+    changed["cpu_cores"] = round((cpu1 - cpu0) / dt, 3)
+    if rows:  # the newest completed broadcast per metrics row: how long a version took to reach the nodes
+        changed["broadcast_s_mean"] = round(sum(r["broadcast_seconds"] for r in rows) / len(rows), 3)
+    seen.update({f"learner:{k}": v for k, v in changed.items() if v})
     return (g1 - g0) / dt, (s1 - s0) / dt, seen
 
 
@@ -553,6 +621,7 @@ async def run(args: argparse.Namespace, swarm: Swarm, tmp: Path) -> list[dict[st
                 "learner_alive": alive,
                 "attacker_cpu_cores": round(seen.pop("cpu_ms") / 1000 / args.window, 3),
                 **{k: seen.pop(k) for k in REPORTED if k in seen},
+                "learner_in_window": {k.split(":", 1)[1]: seen.pop(k) for k in list(seen) if k.startswith("learner:")},
                 "attacker_saw": dict(seen.most_common(8)),
                 "loadavg": [round(x, 2) for x in os.getloadavg()],
                 "baseline": "mean of the clean windows just before and just after, same learner run",

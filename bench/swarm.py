@@ -52,7 +52,6 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -60,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the process swarm and the hostile doubles' join
 
-from _report import emit  # noqa: E402 - bench/ is on sys.path when run as a script
+from _loopback import bind_dials, listen_on, loopback  # noqa: E402 - bench/ is on sys.path when run as a script
+from _report import emit  # noqa: E402
 from hostile import RUN, join  # noqa: E402
 from swarm import Swarm, signed_submit  # noqa: E402
 
@@ -87,27 +87,12 @@ LEARNER = {
 JITTER = 0.2  # ± share of --work-s per lease, so N peers do not submit in lockstep
 
 
-def loopback(i: int) -> str:
-    """Peer ``i``'s own address in 127.0.0.0/8 (127.0.0.2 on; 127.0.0.1 is the learner's)."""
-    i += 2
-    return f"127.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}" if i < 2**24 - 1 else "127.0.0.1"
-
-
-def bind_dials(host: Any, ip: str) -> None:
-    """Make ``host``'s TCP dials leave from ``ip`` (py-libp2p dials from the kernel's choice,
-    127.0.0.1 on loopback): the learner then counts this peer as its own address."""
-    for transport in host.libp2p.get_network().transport_manager.get_transports():
-        with_source = getattr(transport, "dial_with_source", None)
-        if callable(with_source):
-            transport.dial = lambda maddr, _f=with_source: _f(maddr, (ip, 0))
-
-
 # --- worker process: many peers in one trio run ------------------------------------------------
 async def one_peer(i: int, args: argparse.Namespace, events: list, joined: list, stop: trio.Event) -> None:
     me, ip = Identity.generate(), loopback(i)
     rng = random.Random(i)
     try:
-        async with open_host(me, HostConfig(listen=f"/ip4/{ip}/tcp/0")) as host:
+        async with open_host(me, HostConfig(listen=listen_on(ip))) as host:
             bind_dials(host, ip)
             while True:  # as a node does: a join that failed (a handshake or dial-back deadline) is retried
                 try:

@@ -29,10 +29,10 @@ lying child cannot evict a peer. ``BroadcastDone`` is accepted only from a membe
 version's plan, and only its own plan parents count as its suspects. Training never waits on one
 member: once half of the announced nodes completed, the rest get ``straggler_factor`` × the time
 that took (at least ``straggler_floor_s``, a few seconds: the next version is not published
-before this wait ends, so it is what one silent member costs); a live member that still has not
-reported is left out of the next 2^k plans (k: its misses in a row), and fetches versions by
-catch-up meanwhile. A member that has never reported any version is left out of the next
-2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
+before this wait ends, so it is what one silent member costs); a member that did not answer the
+announce or has not reported is left out of the next 2^k plans (k: its misses in a row) and
+fetches versions by catch-up meanwhile. A member that has never reported any version is left out
+of the next 2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
 While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
 waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
 so consecutive versions use the same edges and reuse connections.
@@ -323,8 +323,8 @@ class Broadcaster:
         return self._silent.get(peer_id, (0, -1))[1] >= self._n_pub
 
     def _note_silent(self, version: int, silent: set[str], reported: set[str]) -> None:
-        """Members that answered the announce (and pings) but never reported: left out of the next
-        2^k plans, k their misses in a row; a report clears the record."""
+        """Members that did not answer the announce, or did and never reported: left out of the
+        next 2^k plans, k their misses in a row; a report clears the record."""
         for p in reported:
             self._silent.pop(p, None)
             self._reported[p] = None
@@ -486,7 +486,8 @@ class Broadcaster:
                 await self._probe(announced - gone - set(done), gone, failures)
         seconds = time.perf_counter() - t0
         self._n_pub += 1
-        self._note_silent(version, announced - gone - set(done), set(done))
+        # one that never answers the announce costs each publication its announce deadline (issue 24)
+        self._note_silent(version, {m.peer_id for m in members} - gone - set(done), set(done))
 
         completed = sorted(p for p, d in done.items() if d.ok)
         if completed and len(completed) == len(members):

@@ -13,6 +13,7 @@ same order with the same codes (``tests/learner/test_checks.py`` keeps it so).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import short_id
 from echorl.protocol.messages import SamplingSpec, Submit
 from echorl.rl.buffer import StalenessBuffer
-from echorl.rl.replay import ReplayMismatch
+from echorl.rl.replay import REPLAY_CPU_BUDGET_S, ReplayBudget, ReplayMismatch, ReplayOverBudget
 from echorl.rl.staleness import StalenessRule
 
 if TYPE_CHECKING:
@@ -78,7 +79,12 @@ class Check:
 
 
 class SubmitChecks:
-    """The components the rows read (the service's), and the counters of their refusals."""
+    """The components the rows read (the service's), and the counters of their refusals.
+    ``replay_budget_s`` / ``replay_clock``: the CPU budget of one submission's episode replay and
+    the clock it is measured on (``rl/replay.py``: ``ReplayBudget``)."""
+
+    replay_budget_s: float = REPLAY_CPU_BUDGET_S
+    replay_clock: Callable[[], float] = staticmethod(time.thread_time)
 
     def __init__(
         self,
@@ -195,8 +201,12 @@ class SubmitChecks:
         return SeedProof(lease.sampling_seed, self.sampling.top_p, index, lease.group_size)
 
     async def rewards(self, sub: Submission) -> None:
-        try:  # the verifier (episodes: the replay), off the event loop
-            sub.rewards = await trio.to_thread.run_sync(self.buffer.score, sub.groups)
+        budget = ReplayBudget(self.replay_budget_s, self.replay_clock)
+        try:  # the verifier (episodes: the replay, within its CPU budget), off the event loop
+            sub.rewards = await trio.to_thread.run_sync(self.buffer.score, sub.groups, budget)
+        except ReplayOverBudget as exc:  # the learner could not check it: not counted against the peer
+            log.info("replay of a submission of %s stopped: %s", short_id(sub.peer_id), exc)
+            raise ProtocolError(ErrorCode.UNVERIFIABLE, f"{exc}; lease re-queued") from None
         except ReplayMismatch as exc:
             self.police.count_against(sub.peer_id, sub.open_lease, sub.msg.nonce, ErrorCode.ENV_MISMATCH)
             log.warning("replay refused an episode of %s: %s", short_id(sub.peer_id), exc)
@@ -291,9 +301,10 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "rewards",
         SubmitChecks.rewards,
-        {E.ENV_MISMATCH: "rollouts_rejected_env"},
+        {E.ENV_MISMATCH: "rollouts_rejected_env", E.UNVERIFIABLE: "submissions_rejected_unverifiable"},
         "",
-        "Rewards: a completion is scored by the task's verifier; an episode is replayed (`env_mismatch`).",
+        "Rewards: a completion is scored by the task's verifier; an episode is replayed (`env_mismatch`; "
+        "`unverifiable` if the replay spends its CPU budget: re-queued, not counted against the peer).",
     ),
     Check(
         "still_open",

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from echorl.actor.types import RolloutGroup
 from echorl.rl.checkpoint import check_state_keys
-from echorl.rl.replay import ReplayMismatch
+from echorl.rl.replay import ReplayBudget, ReplayMismatch
 from echorl.rl.staleness import StalenessRule
 from echorl.tasks.base import Prompt
 
@@ -42,7 +42,7 @@ class PromptSource(Protocol):
 
 
 Scorer = Callable[[Prompt, str], float]
-GroupScorer = Callable[[Prompt, RolloutGroup], list[float]]
+GroupScorer = Callable[[Prompt, RolloutGroup, ReplayBudget | None], list[float]]
 
 
 class StalenessBuffer:
@@ -103,19 +103,20 @@ class StalenessBuffer:
         """The acceptance rule ``0 <= current - behaviour <= S``."""
         return behaviour_version <= current_version and self.rule.accepts(current_version, behaviour_version)
 
-    def score(self, groups: list[RolloutGroup]) -> list[list[float] | None]:
+    def score(self, groups: list[RolloutGroup], budget: ReplayBudget | None = None) -> list[list[float] | None]:
         """The verifier's rewards for each group's samples (None: prompt not outstanding, or no
         scorer). Reads only; safe to run in a worker thread, so a slow verifier never blocks the
-        learner's event loop; pass the result to ``offer``."""
+        learner's event loop; pass the result to ``offer``. ``budget``: one for all the groups'
+        episode replays (``rl/replay.py``: ``ReplayOverBudget`` once spent)."""
         out: list[list[float] | None] = []
         for group in groups:
             prompt = self.outstanding.get(group.prompt_id)
-            out.append(None if prompt is None else self._rewards(prompt, group))
+            out.append(None if prompt is None else self._rewards(prompt, group, budget))
         return out
 
-    def _rewards(self, prompt: Prompt, group: RolloutGroup) -> list[float] | None:
+    def _rewards(self, prompt: Prompt, group: RolloutGroup, budget: ReplayBudget | None = None) -> list[float] | None:
         if self.group_scorer is not None:
-            return [float(r) for r in self.group_scorer(prompt, group)]
+            return [float(r) for r in self.group_scorer(prompt, group, budget)]
         if self.scorer is None:
             return None
         return [float(self.scorer(prompt, s.text)) for s in group.samples]

@@ -12,11 +12,14 @@ limit, token budget, environment error). The reward is the replay's; a node's ow
 differs is a forgery too. Any difference raises :class:`ReplayMismatch` (the service answers
 ``env_mismatch`` and counts it against the peer like a log-prob mismatch).
 
-Pure CPU work on small transcripts: the service runs it in a worker thread.
+Pure CPU work on small transcripts: the service runs it in a worker thread, within a
+:class:`ReplayBudget` of CPU seconds for one submission (:data:`REPLAY_CPU_BUDGET_S`): past it
+the replay stops with :class:`ReplayOverBudget` (the service answers ``unverifiable``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -32,8 +35,44 @@ if TYPE_CHECKING:
 REWARD_TOLERANCE = 1e-6
 
 
+REPLAY_CPU_BUDGET_S = 5.0
+"""CPU seconds the learner spends replaying the episodes of one submission before it stops and
+refuses it ``unverifiable`` (re-queued, not counted against the peer). Honest submissions of the
+built-in environments replay in milliseconds (32 ``guess`` episodes of the tiny model, 308 tokens:
+4.7 ms CPU), and the cost is ~linear in the transcript (a 2,000-token turn is checked in ≤ 3
+decodes), so 5 s leaves room of about three orders of magnitude for long honest episodes, while
+one submission can no longer hold a worker thread for the ~56 s a 2,000-token-turn episode took
+when decoding was quadratic (issue 24). CPU time of the replaying thread, not wall time: a loaded
+machine does not make honest work fail, and the figure bounds what a submission costs the
+learner."""
+
+
 class ReplayMismatch(ValueError):
     """A transcript's observations, boundaries or reward differ from the learner's replay."""
+
+
+class ReplayOverBudget(RuntimeError):
+    """One submission's replay spent its :class:`ReplayBudget`: the learner could not check it
+    (not a proof of forgery)."""
+
+
+class ReplayBudget:
+    """The CPU seconds one submission's replay may spend. ``clock`` (default: the CPU time of the
+    calling thread) is first read at the first :meth:`spend`, in the thread that replays, so a
+    budget may be made on the event loop and spent in a worker thread."""
+
+    def __init__(self, seconds: float = REPLAY_CPU_BUDGET_S, clock: Callable[[], float] = time.thread_time) -> None:
+        self.seconds, self.clock = float(seconds), clock
+        self.start: float | None = None
+
+    def spend(self, where: str) -> None:
+        """Raise :class:`ReplayOverBudget` if more than ``seconds`` passed on ``clock`` since the
+        first call (``where``: what was about to be replayed, for the message)."""
+        now = self.clock()
+        if self.start is None:
+            self.start = now
+        elif now - self.start > self.seconds:
+            raise ReplayOverBudget(f"replay over its budget of {self.seconds:g} CPU s at {where}")
 
 
 class Replayer:
@@ -86,8 +125,9 @@ class Replayer:
         cuts = [text.find(s) for s in self.stop if s in text]
         return text[: min(cuts)] if cuts else text
 
-    def episode(self, prompt: Prompt, sample: Sample) -> float:
-        """The replayed reward of one episode, or :class:`ReplayMismatch`."""
+    def episode(self, prompt: Prompt, sample: Sample, budget: ReplayBudget | None = None) -> float:
+        """The replayed reward of one episode, or :class:`ReplayMismatch`; ``budget`` is spent
+        before each turn (:class:`ReplayOverBudget` once it is gone)."""
         toks, mask = list(sample.token_ids), sample.mask
         if mask is None or len(mask) != len(toks):
             raise ReplayMismatch("an episode needs a model mask as long as its transcript")
@@ -96,6 +136,8 @@ class Replayer:
             raise ReplayMismatch("the environment's first observation differs from the prompt")
         i, k = 0, 0
         while not run.over:
+            if budget is not None:
+                budget.spend(f"turn {k}")
             j = i
             while j < len(toks) and mask[j]:
                 j += 1
@@ -116,9 +158,10 @@ class Replayer:
             raise ReplayMismatch(f"claimed reward {sample.reward} but the replay gives {run.reward}")
         return float(run.reward)
 
-    def group(self, prompt: Prompt, group: RolloutGroup) -> list[float]:
-        """Replayed rewards of every episode of a group (the buffer's ``group_scorer``)."""
-        return [self.episode(prompt, s) for s in group.samples]
+    def group(self, prompt: Prompt, group: RolloutGroup, budget: ReplayBudget | None = None) -> list[float]:
+        """Replayed rewards of every episode of a group (the buffer's ``group_scorer``), all
+        within one ``budget`` when given."""
+        return [self.episode(prompt, s, budget) for s in group.samples]
 
 
 def episode_spec(task: Task, prompt: Prompt) -> EpisodeSpec | None:
@@ -137,7 +180,9 @@ def episode_spec(task: Task, prompt: Prompt) -> EpisodeSpec | None:
     )
 
 
-def group_scorer(task: Task, tokenizer: Tokenizer) -> Callable[[Prompt, RolloutGroup], list[float]] | None:
+def group_scorer(
+    task: Task, tokenizer: Tokenizer
+) -> Callable[[Prompt, RolloutGroup, ReplayBudget | None], list[float]] | None:
     """The buffer's group scorer for an episodic task, None for a single-turn one."""
     from echorl.tasks.env import is_episodic
 

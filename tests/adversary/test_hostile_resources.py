@@ -125,6 +125,43 @@ def test_silent_plan_member_costs_a_bounded_wait_then_is_left_out() -> None:
     trio.run(main)
 
 
+def test_a_member_that_never_answers_the_announce_is_left_out_like_a_silent_one() -> None:
+    """A member that does not answer the announce (one never replies, one serves no announce
+    route) is as silent as one that never reports: before, it stayed in every plan and each
+    publication waited its announce deadline for it (32 slow-walkers from one address that had
+    worked once held the learner to one publication per 10 s: honest goodput 0.07 of clean)."""
+    from safetensors.numpy import save
+
+    from echorl.protocol.messages import PlanAnnounce
+
+    async def never(msg: object, ctx: object) -> None:
+        await trio.sleep_forever()
+
+    async def main() -> None:
+        identity = Identity.generate()
+        async with (
+            open_host(identity) as host,
+            open_host(Identity.generate()) as good,
+            open_host(Identity.generate()) as mute,
+            open_host(Identity.generate()) as deaf,
+            trio.open_nursery() as nursery,
+        ):
+            bc = Broadcaster(host, identity, RUN, direct=False, announce_timeout_s=0.5, done_timeout_s=60.0)
+            bc.straggler_floor_s = 0.5
+            bc.install()
+            plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
+            mute.route(routes.ANNOUNCE, never, request=PlanAnnounce)
+            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, mute, deaf)]
+            report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
+            assert report.nodes == 3 and report.completed == [good.peer_id]
+            for v in range(2, 5):
+                report = await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
+                assert report.nodes == 1 and report.completed == [good.peer_id], v  # both left out
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> None:
     """The silent member's cost is one bounded wait per plan it is in: a member that never
     reported anything is left out of the next 2^6 plans at its first miss; one that reported

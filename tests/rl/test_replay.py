@@ -21,7 +21,7 @@ from echorl.actor.episodes import run_episodes
 from echorl.actor.model import TinyArch, build_char_tokenizer, make_model
 from echorl.actor.types import RolloutGroup, Sample, SamplingParams
 from echorl.rl.buffer import StalenessBuffer, Verdict
-from echorl.rl.replay import Replayer, ReplayMismatch, episode_spec, group_scorer
+from echorl.rl.replay import ReplayBudget, Replayer, ReplayMismatch, ReplayOverBudget, episode_spec, group_scorer
 from echorl.tasks import load_task
 
 
@@ -163,12 +163,14 @@ def test_observation_tokens_never_move_the_loss():
     assert _trainer_loss([group("<=", -7.0, masked=False)]) != pytest.approx(base, abs=1e-4)  # unmasked: it would
 
 
-def test_service_answers_env_mismatch_and_counts_it_against_the_peer(backend):
+def _episode_service(backend):
+    """A learner service for the guess task with one joined node; ``submit(forge)`` leases one
+    prompt to it and returns its signed submission of two real episodes (``forge``: each claims a
+    reward 1 higher than it earned)."""
     from echorl.learner.config import ServiceFields
     from echorl.learner.service import LearnerService, PeerRecord
     from echorl.net.host import RequestContext
     from echorl.protocol import wire
-    from echorl.protocol.errors import ErrorCode, ProtocolError
     from echorl.protocol.identity import Identity
     from echorl.protocol.messages import Capability, Submit
     from echorl.protocol.messages import RolloutGroup as WireGroup
@@ -223,7 +225,13 @@ def test_service_answers_env_mismatch_and_counts_it_against_the_peer(backend):
         )
         return wire.decode(wire.encode(wire.sign(msg, node)))
 
-    ctx = RequestContext(node.peer_id, "/echorl/submit", time.time())
+    return svc, buf, node, submit, RequestContext(node.peer_id, "/echorl/submit", time.time())
+
+
+def test_service_answers_env_mismatch_and_counts_it_against_the_peer(backend):
+    from echorl.protocol.errors import ErrorCode, ProtocolError
+
+    svc, buf, node, submit, ctx = _episode_service(backend)
 
     async def main() -> None:
         ok = await svc.on_submit(submit(False), ctx)
@@ -236,6 +244,51 @@ def test_service_answers_env_mismatch_and_counts_it_against_the_peer(backend):
     assert svc.counters["rollouts_rejected_env"] == 1 and svc.peers.mismatches == {node.peer_id: 1}
     assert svc.counters["peers_flagged"] == 1 and not svc.leases.active
     assert len(buf) == 0 and svc.counters["groups_purged"] == 1  # convicted: its waiting group is not trained on
+
+
+class Ticking:
+    """A fake CPU clock: each read is ``step`` seconds after the last (no wall clock involved)."""
+
+    def __init__(self, step: float = 1.0) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_replay_stops_once_its_cpu_budget_is_spent(backend):
+    """The budget is read before each turn, on the clock it is given, for all the episodes of one
+    submission together: an honest multi-turn episode passes within a budget that covers its
+    turns and stops with ``ReplayOverBudget`` (not a mismatch) within one that does not."""
+    task = load_task("guess")
+    prompts, groups = _episodes(backend, task)
+    k, g = next((k, g) for k, g in enumerate(groups) if any(not all(s.mask) for s in g.samples))
+    turns = sum(1 + sum(1 for a, b in zip(s.mask, s.mask[1:]) if a and not b) for s in g.samples)
+    rp = Replayer(task, backend.tokenizer)
+    assert rp.group(prompts[k], g, ReplayBudget(turns, Ticking())) == [s.reward for s in g.samples]
+    with pytest.raises(ReplayOverBudget, match="budget of 1 CPU s"):
+        rp.group(prompts[k], g, ReplayBudget(1.0, Ticking()))
+    assert not issubclass(ReplayOverBudget, ReplayMismatch)
+
+
+def test_a_submission_whose_replay_spends_its_budget_is_refused_unverifiable_and_requeued(backend):
+    """Past its CPU budget the replay stops and the submission is refused ``unverifiable``: the
+    lease is settled, its prompt goes back to the queue, nothing is counted against the peer."""
+    from echorl.protocol.errors import ErrorCode, ProtocolError
+
+    svc, buf, node, submit, ctx = _episode_service(backend)
+    svc.checks.replay_budget_s, svc.checks.replay_clock = 0.5, Ticking()  # every second read is over
+
+    async def main() -> None:
+        with pytest.raises(ProtocolError) as err:
+            await svc.on_submit(submit(False), ctx)
+        assert err.value.code == ErrorCode.UNVERIFIABLE
+
+    trio.run(main)
+    assert svc.counters["submissions_rejected_unverifiable"] == 1 and svc.counters["submissions_accepted"] == 0
+    assert svc.peers.mismatches == {} and svc.counters["peers_flagged"] == 0
+    assert not svc.leases.active and len(buf.requeued) == 1 and len(buf) == 0
 
 
 def test_a_turn_is_checked_with_a_bounded_number_of_decodes(backend):
