@@ -23,7 +23,9 @@ and win every freed slot by polling. So:
 - **Priority**: one lease of room in the in-flight budget is kept for each live proven peer that
   returns work faster than the one asking (than any unproven one), is not backed off and holds
   no lease (it just answered and is about to ask): a freed slot goes to the fastest, not to
-  whoever polls most.
+  whoever polls most. Once an unproven peer holds a lease, other unproven askers see every
+  proven peer's remaining leases kept (up to ``max_leases_per_peer``): a crowd of fresh
+  identities fills only what the proven nodes leave, yet one newcomer at a time can prove itself.
 - **Size**: a peer slower than the reference is leased what it can finish in ``SIZE_SLACK`` × the
   reference's time for the full lease (at least one prompt): a peer within that factor of the
   fleet's pace gets full leases, a much slower one (a slow-walker) small ones.
@@ -107,21 +109,33 @@ class FleetPace:
             return n_prompts
         return max(1, min(n_prompts, int(SIZE_SLACK * n_prompts * own / ref)))
 
-    def reserved(self, peer_id: str, prompts_per_lease: int, now: float, held: Mapping[str, int]) -> int:
+    def reserved(
+        self, peer_id: str, prompts_per_lease: int, now: float, held: Mapping[str, int], max_leases: int = 1
+    ) -> int:
         """Prompts of room kept for the live proven peers that return work faster than
-        ``peer_id``, are not backed off and hold no lease (``held``: open leases by holder; one
-        that holds one is at work, and a newcomer must still get leases to prove itself): one
-        lease each (see the module docstring)."""
+        ``peer_id`` and are not backed off (``held``: open leases by holder): one lease each for
+        those that hold none (they just answered and are about to ask; one that holds one is at
+        work). For an unproven asker while another unproven peer already holds a lease, every
+        proven peer's remaining wants are kept (``max_leases`` each, less what it holds): unproven
+        identities may then fill only what proven nodes leave, so a crowd of them cannot take the
+        second lease of every honest node; with no unproven lease out, one lease of room stays
+        open to them, so a newcomer can still prove itself (see the module docstring)."""
         own = self._load(peer_id)
-        mine = own.recent_per_s if own.on_time_in_row >= PROVEN_LEASES else 0.0  # unproven: ranks last
-        faster = 0
+        proven = own.on_time_in_row >= PROVEN_LEASES
+        mine = own.recent_per_s if proven else 0.0  # unproven: ranks last
+        crowd = not proven and any(self._unproven(holder) for holder, n in held.items() if n > 0)
+        leases = 0
         for p in self.book.active(now=now):
             load = self.book.loads.get(p.peer_id)
-            if p.peer_id == peer_id or load is None or held.get(p.peer_id, 0) > 0:
+            if p.peer_id == peer_id or load is None:
                 continue
             if load.recent_per_s > mine and load.on_time_in_row >= PROVEN_LEASES and load.backoff_until <= now:
-                faster += 1
-        return faster * prompts_per_lease
+                have = held.get(p.peer_id, 0)
+                leases += max(0, max_leases - have) if crowd else int(have == 0)
+        return leases * prompts_per_lease
+
+    def _unproven(self, peer_id: str) -> bool:
+        return self._load(peer_id).on_time_in_row < PROVEN_LEASES
 
     def _load(self, peer_id: str) -> PeerLoad:
         return self.book.loads.get(peer_id) or PeerLoad()

@@ -285,3 +285,24 @@ def test_a_peer_a_little_slower_than_the_fleet_gets_full_leases() -> None:
     adm.on_result("slow", groups=1, issued_at=0.0, now=1.0)
     assert [adm.pace.sized(p, 2) for p in ("near", "half", "slow")] == [2, 1, 1]
     assert [adm.pace.sized(p, 8) for p in ("near", "half", "slow")] == [8, 6, 1]
+
+
+def test_a_crowd_of_unproven_identities_fills_only_what_proven_nodes_leave() -> None:
+    """Room for proven peers' further leases (issue 24, slow_walker_32): two proven nodes each
+    holding one of their two leases. A newcomer asking while no unproven peer holds a lease sees
+    no room kept (it may prove itself); once one does, the next unproven asker sees both proven
+    nodes' second leases kept, so a crowd of fresh identities cannot take them (before: room was
+    kept only for a proven node holding no lease at all)."""
+    adm = _fleet()
+    for pid in ("fast", "fast2"):
+        for _ in range(3):
+            adm.on_result(pid, groups=8, issued_at=0.0, now=1.0)  # proven: 3 in a row on time
+    held = {"fast": 1, "fast2": 1}
+    assert adm.pace.reserved("new", 8, now=1.0, held=held, max_leases=2) == 0
+    assert adm.pace.reserved("new", 8, now=1.0, held={**held, "slow": 1}, max_leases=2) == 2 * 8
+    # an unproven asker in a crowd: each proven node's remaining leases
+    assert adm.pace.reserved("slow", 8, now=1.0, held={"fast": 0, "fast2": 2, "crawl": 1}, max_leases=2) == 2 * 8
+    # a proven asker keeps the old rule: one lease for each faster proven peer holding none
+    for _ in range(3):
+        adm.on_result("fast3", groups=16, issued_at=0.0, now=1.0)
+    assert adm.pace.reserved("fast", 8, now=1.0, held={"fast": 1, "slow": 1}, max_leases=2) == 8
