@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import flowsim
 
+from echorl.protocol import limits
 from echorl.protocol.plan import PlanPeer, plan_broadcast
 
 CHUNK = 64 * 1024
@@ -76,6 +77,19 @@ def test_fair_share_gives_a_capped_flow_s_leftover_to_the_others():
 
 
 def test_announcement_is_the_real_signed_message_and_flags_the_member_cap():
-    peers = [PlanPeer(p.peer_id, p.reachable, not p.reachable) for p in flowsim.draw_peers(3, 0.5, 5, 100, 10, 0)]
-    cpu, nbytes, valid = flowsim.announce_cost(peers, 4 * CHUNK, CHUNK, 4)
-    assert valid and nbytes > 3 * 46 and cpu >= 0
+    def members(n: int) -> list[PlanPeer]:
+        return [PlanPeer(p.peer_id, p.reachable, not p.reachable) for p in flowsim.draw_peers(n, 0.5, 5, 100, 10, 0)]
+
+    _cpu, small, valid = flowsim.announce_cost(members(3), 4 * CHUNK, CHUNK, 4)
+    assert valid and small > 3 * 46
+    _cpu, big, valid = flowsim.announce_cost(members(limits.MAX_PLAN_MEMBERS + 1), 4 * CHUNK, CHUNK, 4)
+    assert not valid and big > limits.MAX_PLAN_MEMBERS * 46
+
+
+def test_same_seed_same_prediction_and_a_cut_stream_waits_stall_s():
+    argv = ["--peers", "60", "--size-mb", "4", "--churn", "0.4", "--no-announce", "--seed", "3"]
+    one, two = flowsim.simulate(flowsim.parse_args(argv)), flowsim.simulate(flowsim.parse_args(argv))
+    for out in (one, two):
+        out.pop("plan_build_s")
+    assert one == two and one["streams_recovered"] > 0
+    assert one["predicted_s"] >= flowsim.STALL_S and one["ratio"] >= 1
