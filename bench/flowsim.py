@@ -1,0 +1,389 @@
+"""Flow-level model of one broadcast version over the real plan (``protocol/plan.py``).
+
+    python bench/flowsim.py --peers 10000 --nat 0.5 --size-mb 1024 --json
+    python bench/flowsim.py --peers 10000 --nat 0.5 --size-mb 1024 --churn 0.4 --json
+    python bench/flowsim.py --peers 16 --nat 0.5 --size-mb 8 --uplink-mbps 19 --down-ratio 0 --json
+
+Pure Python, deterministic for a seed, no sockets. The peers' uplinks are drawn log-uniformly
+between ``--uplink-mbps`` and ``--uplink-max-mbps`` (an assumption, see docs/broadcast-notes.md
+"Flow-level simulator"), each downlink ``--down-ratio`` × its uplink (0: unlimited), a fraction
+``--nat`` behind NAT (``PlanMember.pushes``, as the learner announces them). The real
+``plan_broadcast`` builds the plan; then:
+
+- **Rates** (fluid, constant per edge): a parent's uplink is shared max-min fairly across all
+  its child streams in every stripe (the ``UploadLimiter`` is one FIFO bucket that every child
+  stream pays into in ~5 ms slices); a stream cannot run faster than its parent receives that
+  stripe, nor than the child's downlink share (downlink / incoming streams). Iterated to a
+  fixed point.
+- **Pipelining** by chunk (a relay forwards a chunk once it holds all of it): for child ``c`` of
+  ``p`` at rate ``r``, with chunk ``c_b`` and stripe bytes ``S``: first chunk at
+  ``f_c = f_p + c_b/r + hop``, stripe done at ``F_c = max(f_p + S/r, F_p + c_b/r) + hop``.
+- **Churn**: a fraction ``--churn`` of the peers leave at uniform random times in
+  [0, T₀] (T₀: the time without churn). A peer whose stream is cut (an ancestor left before the
+  stripe had passed it) hears nothing for ``stall_s`` (relay default 10 s: the first-byte
+  deadline), then pulls the rest of that stripe (``broadcast/recovery.py``): ``IN_FLIGHT`` (4)
+  chunk requests at a time, spread over its other parents (already connected) and those of
+  ``PEERS_ASKED`` (8) random members that can be dialled (a NAT'd one fails and is skipped).
+  A source serves a request at a fair share of its uplink beside its tree streams
+  (``uplink / (streams + requests)``), a pull's requests counted at a source in proportion to
+  the share of the version that pull lasts (leave times are spread over the version). Every
+  descendant of the one who left is cut too (the recovering child forwards its first pulled
+  chunk later than ``stall_s``), so each pulls itself, as the code does. A pull cannot end
+  before the median member of that stripe holds it (sources only have what reached them).
+
+Output, one JSON line: ``predicted_s``; ``lower_bound_s`` = max(W/B_learner, W/d_min,
+N·W/(B_learner + Σ uᵢ)) (the minimum distribution time of any scheme in the uplink-sharing
+model, Kumar & Ross, 1st IEEE HotWeb 2006, "Peer-assisted file distribution: the minimum
+distribution time"; it ignores NAT, so it is also a bound with NAT); ``ratio``; ``plan_bound_s``
+= max over uploaders of copiesᵢ·W/uᵢ (this plan's busiest uplink, the netlab's
+``topology_bound_seconds`` for uneven uplinks); ``plan_build_s`` and ``announce_s`` (CPU
+seconds: ``plan_broadcast``; building, signing and encoding the ``PlanAnnounce``);
+``announce_bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import emit
+
+from echorl.broadcast.recovery import IN_FLIGHT, PEERS_ASKED
+from echorl.protocol.identity import peer_id_from_public_key
+from echorl.protocol.plan import BroadcastPlan, PlanPeer, auto_chunk_bytes, plan_broadcast
+
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+LEARNER = "learner"
+STALL_S = 10.0  # Relay(stall_s=...) default: silence on a chunk stream before it recovers
+FIXED_POINT_ROUNDS = 60  # rate iterations; the plans here converge in < depth + 3
+INF = float("inf")
+LOAD_ROUNDS = 3  # pulls' load on their sources, re-weighted by how long each pull lasts
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One simulated member: uplink and downlink in bytes/s (downlink INF: unlimited)."""
+
+    peer_id: str
+    up: float
+    down: float
+    reachable: bool
+
+
+def draw_peers(n: int, nat: float, up_min: float, up_max: float, down_ratio: float, seed: int) -> list[Peer]:
+    """``n`` peers, uplinks log-uniform in [up_min, up_max] Mbit/s, ``round(nat·n)`` behind NAT."""
+    rng = random.Random(seed)
+    natted = set(rng.sample(range(n), round(nat * n)))
+    peers = []
+    for i in range(n):
+        up = up_min if up_max <= up_min else math.exp(rng.uniform(math.log(up_min), math.log(up_max)))
+        down = INF if down_ratio <= 0 else up * down_ratio
+        key = hashlib.sha256(f"flowsim:{seed}:{i}".encode()).digest()  # a stand-in public key
+        peers.append(Peer(peer_id_from_public_key(key), up * MBIT, down * MBIT, i not in natted))
+    return peers
+
+
+def lower_bound(size: int, learner_up: float, peers: list[Peer]) -> float:
+    """max(W/B_learner, W/d_min, N·W/(B_learner + Σ uᵢ)): no scheme can deliver faster."""
+    d_min = min((p.down for p in peers), default=INF)
+    return max(size / learner_up, size / d_min, len(peers) * size / (learner_up + sum(p.up for p in peers)))
+
+
+def plan_bound(plan: BroadcastPlan, size: int, up: dict[str, float]) -> float:
+    """max over uploaders of (copies it forwards) · W / (its uplink)."""
+    return max(plan.upload_copies(p) * size / up[p] for p in up)
+
+
+def stripe_bytes(size: int, chunk: int, k: int) -> list[int]:
+    """Bytes of each stripe: chunk i (the last one short) travels down stripe i mod k."""
+    out = [0] * k
+    for i in range(math.ceil(size / chunk)):
+        out[i % k] += min(chunk, size - i * chunk)
+    return out
+
+
+def _water_fill(capacity: float, caps: list[float]) -> list[float]:
+    """Max-min fair shares of ``capacity`` among flows each capped at ``caps[i]``."""
+    share = [0.0] * len(caps)
+    left, n = capacity, len(caps)
+    for i in sorted(range(len(caps)), key=caps.__getitem__):
+        share[i] = min(caps[i], left / n)
+        left -= share[i]
+        n -= 1
+    return share
+
+
+Edge = tuple[int, str, str]  # (stripe, parent, child)
+
+
+def edge_rates(plan: BroadcastPlan, up: dict[str, float], down: dict[str, float]) -> dict[Edge, float]:
+    """Each stream's steady rate (bytes/s): fair share of the parent's uplink, capped by the
+    rate the parent receives that stripe and by the child's downlink share; a fixed point."""
+    out_edges: dict[str, list[Edge]] = {}
+    n_in: dict[str, int] = {}
+    for s in plan.stripes:
+        for p, cs in s.children.items():
+            for c in cs:
+                out_edges.setdefault(p, []).append((s.index, p, c))
+                n_in[c] = n_in.get(c, 0) + 1
+    parent = {(s.index, c): p for s in plan.stripes for p, cs in s.children.items() for c in cs}
+    rate: dict[Edge, float] = {}
+    for _ in range(FIXED_POINT_ROUNDS):
+        new: dict[Edge, float] = {}
+        for p, edges in out_edges.items():
+            caps = []
+            for s, _p, c in edges:
+                into = INF if p == plan.learner else rate.get((s, parent[(s, p)], p), INF)
+                caps.append(min(into, down[c] / n_in[c]))
+            new.update(zip(edges, _water_fill(up[p], caps)))
+        if new == rate:
+            break
+        rate = new
+    return rate
+
+
+def pipeline(
+    plan: BroadcastPlan, rate: dict[Edge, float], sizes: list[int], chunk: int, hop_s: float
+) -> dict[tuple[int, str], tuple[float, float, float]]:
+    """(start, first chunk, stripe done) of every (stripe, peer), pipelined by chunk."""
+    times: dict[tuple[int, str], tuple[float, float, float]] = {}
+    for s in plan.stripes:
+        first, done = {plan.learner: 0.0}, {plan.learner: 0.0}
+        queue = [plan.learner]
+        for p in queue:
+            for c in s.children.get(p, ()):
+                r = rate[(s.index, p, c)]
+                c_b = min(chunk, sizes[s.index])
+                first[c] = first[p] + c_b / r + hop_s
+                done[c] = max(first[p] + sizes[s.index] / r, done[p] + c_b / r) + hop_s
+                times[(s.index, c)] = (first[p], first[c], done[c])
+                queue.append(c)
+    return times
+
+
+def _received(t: float, start: float, done: float, size: int) -> float:
+    """Bytes of a stripe held at ``t`` (linear between its start and its end)."""
+    if t >= done:
+        return size
+    return max(0.0, size * (t - start) / max(done - start, 1e-12))
+
+
+def with_churn(
+    plan: BroadcastPlan,
+    times: dict[tuple[int, str], tuple[float, float, float]],
+    sizes: list[int],
+    peers: dict[str, Peer],
+    up: dict[str, float],
+    rate: dict[Edge, float],
+    leave_at: dict[str, float],
+    seed: int,
+) -> tuple[dict[tuple[int, str], float], int]:
+    """Each remaining (stripe, peer)'s done time when the peers in ``leave_at`` leave then,
+    and how many stripe streams were cut and recovered by pulls."""
+    rng = random.Random(seed + 1)
+    streams = {p: 0 for p in peers}
+    for _s, p, _c in rate:
+        if p != plan.learner:
+            streams[p] += 1
+    alive = [p for p in sorted(peers) if p not in leave_at]
+    median_done = [statistics.median(times[(s.index, p)][2] for p in peers) for s in plan.stripes]
+    parents = [s.parent_of() for s in plan.stripes]
+    cut: dict[tuple[int, str], float] = {}  # (stripe, peer) -> when its stream stopped
+    for s in plan.stripes:
+        queue: list[tuple[str, float]] = [(c, INF) for c in s.children.get(plan.learner, ())]
+        for node, broken in queue:
+            if broken < INF and node not in leave_at:
+                cut[(s.index, node)] = broken
+            for c in s.children.get(node, ()):
+                t = leave_at.get(node, INF)
+                queue.append((c, min(broken, t if t < times[(s.index, c)][2] else INF)))
+    # recovery sources: other parents of the peer plus PEERS_ASKED random members, all alive
+    sources: dict[tuple[int, str], list[str]] = {}
+    for s, node in cut:
+        others = [parents[x.index].get(node, plan.learner) for x in plan.stripes if x.index != s]
+        own = [p for p in dict.fromkeys(others) if p != plan.learner and p not in leave_at]
+        asked = [p for p in rng.sample(alive, min(len(alive), PEERS_ASKED + 1)) if p != node][:PEERS_ASKED]
+        srcs = own + [p for p in asked if peers[p].reachable]  # a NAT'd one cannot be dialled: skipped
+        sources[(s, node)] = srcs or [plan.learner]
+    streams[plan.learner] = len(plan.stripes)
+    no_churn = max(t[2] for t in times.values())
+    busy = dict.fromkeys(cut, 1.0)  # share of the version each pull is in flight (first: all of it)
+    done = {(s.index, p): times[(s.index, p)][2] for s in plan.stripes for p in alive}
+    for _ in range(LOAD_ROUNDS):
+        load = dict.fromkeys(up, 0.0)
+        for key, srcs in sources.items():
+            for src in srcs:
+                load[src] += busy[key] * IN_FLIGHT / len(srcs)
+        for (s, node), broken in cut.items():
+            per = [up[x] / (streams[x] + max(load[x], 1.0)) for x in sources[(s, node)]]
+            r_rec = min(IN_FLIGHT * statistics.fmean(per), peers[node].down / len(plan.stripes))
+            start, _first, end = times[(s, node)]
+            pull_s = (sizes[s] - _received(broken, start, end, sizes[s])) / r_rec
+            done[(s, node)] = max(broken + STALL_S + pull_s, median_done[s])
+            busy[(s, node)] = min(1.0, pull_s / no_churn)
+    return done, len(cut)
+
+
+def _addr(i: int) -> str:
+    """A distinct IPv4 listen address for member ``i`` (what a member announces: one addr)."""
+    return f"/ip4/10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}/tcp/4001"
+
+
+def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int) -> tuple[float, int, bool]:
+    """CPU seconds and bytes of building, signing and encoding the real ``PlanAnnounce`` for
+    these members, and whether it passes the message's limits (``MAX_PLAN_MEMBERS``)."""
+    from pydantic import ValidationError
+
+    from echorl.protocol import wire
+    from echorl.protocol.identity import Identity
+    from echorl.protocol.messages import ChunkRef, Manifest, PlanAnnounce, PlanMember
+
+    ident = Identity.generate()
+    n_chunks = math.ceil(size / chunk)
+    refs = [
+        ChunkRef(digest=hashlib.sha256(i.to_bytes(8, "big")).digest(), size=min(chunk, size - i * chunk))
+        for i in range(n_chunks)
+    ]
+    manifest = Manifest(
+        run_id="flowsim", learner_peer_id=ident.peer_id, version=1, parent_version=0, kind="full",
+        base_version=-1, chunk_bytes=chunk, payload_bytes=size, chunks=refs, tensors=[], result_bytes=size,
+        result_digest=b"\0" * 32, created_at=0.0,
+    )  # fmt: skip
+    manifest = wire.sign(manifest, ident)
+    t0 = time.process_time()
+    members = [
+        PlanMember(peer_id=p.peer_id, reachable=p.reachable, addrs=[_addr(i)], pushes=True if p.pushes else None)
+        for i, p in enumerate(plan_peers)
+    ]
+    fields = dict(
+        run_id="flowsim", learner_peer_id=ident.peer_id, version=1, manifest=manifest, shape="striped",
+        fanout=fanout, seed=0, learner_addrs=["/ip4/10.0.0.1/tcp/4001"], members=members, created_at=0.0,
+    )  # fmt: skip
+    valid = True
+    try:
+        ann = PlanAnnounce(**fields)
+    except ValidationError:  # over MAX_PLAN_MEMBERS: the size it would have, unvalidated
+        ann, valid = PlanAnnounce.model_construct(**fields), False
+    encoded = wire.encode(wire.sign(ann, ident))
+    return time.process_time() - t0, len(encoded), valid
+
+
+def delivery(
+    plan: BroadcastPlan,
+    peers: list[Peer],
+    learner_up: float,
+    size: int,
+    chunk: int,
+    *,
+    hop_s: float = 0.0,
+    churn: float = 0.0,
+    seed: int = 0,
+    leave_at: dict[str, float] | None = None,
+) -> tuple[float, float, int]:
+    """(seconds until every remaining peer holds the version, the same without churn, streams
+    recovered by pulls). ``leave_at`` (peer → time) fixes who leaves when; else a ``churn``
+    fraction leaves at uniform times in [0, the time without churn]."""
+    up = {p.peer_id: p.up for p in peers} | {plan.learner: learner_up}
+    down = {p.peer_id: p.down for p in peers}
+    rate = edge_rates(plan, up, down)
+    sizes = stripe_bytes(size, chunk, len(plan.stripes))
+    times = pipeline(plan, rate, sizes, chunk, hop_s)
+    no_churn = max(t[2] for t in times.values())
+    if leave_at is None and churn > 0:
+        rng = random.Random(seed + 2)
+        leaving = rng.sample(sorted(p.peer_id for p in peers), round(churn * len(peers)))
+        leave_at = {p: rng.uniform(0, no_churn) for p in leaving}
+    if not leave_at:
+        return no_churn, no_churn, 0
+    done, recovered = with_churn(plan, times, sizes, {p.peer_id: p for p in peers}, up, rate, leave_at, seed)
+    return max(done.values()), no_churn, recovered
+
+
+def simulate(args: argparse.Namespace) -> dict:
+    """One version, as the module docstring describes; the JSON fields of the report."""
+    peers = draw_peers(args.peers, args.nat, args.uplink_mbps, args.uplink_max_mbps, args.down_ratio, args.seed)
+    size = int(args.size_mb * 1024 * 1024)
+    chunk = int(args.chunk_kb * 1024) or auto_chunk_bytes(size, len(peers), args.fanout)
+    # a peer announced as a leaf (NodeInfo.leaf) is PlanPeer(reachable=False, pushes=False)
+    slow = {p.peer_id for p in peers if p.up < args.leaf_below_mbps * MBIT}
+    plan_peers = [
+        PlanPeer(
+            p.peer_id, p.reachable and p.peer_id not in slow, not (p.reachable or args.nat_leaves or p.peer_id in slow)
+        )
+        for p in peers
+    ]
+    t0 = time.process_time()
+    plan = plan_broadcast(LEARNER, plan_peers, args.fanout, args.seed)
+    plan_build_s = time.process_time() - t0
+    learner_up = (args.learner_mbps or args.uplink_mbps) * MBIT
+    predicted, no_churn, recovered = delivery(
+        plan, peers, learner_up, size, chunk, hop_s=args.hop_ms / 1000, churn=args.churn, seed=args.seed
+    )
+    up = {p.peer_id: p.up for p in peers} | {LEARNER: learner_up}
+    bound = lower_bound(size, learner_up, peers)
+    out = {
+        "peers": len(peers),
+        "nat_peers": sum(not p.reachable for p in peers),
+        "churn": args.churn,
+        "bytes": size,
+        "chunk_bytes": chunk,
+        "fanout": args.fanout,
+        "depth": plan.depth,
+        "uplink_mbps": [args.uplink_mbps, max(args.uplink_mbps, args.uplink_max_mbps)],
+        "learner_mbps": learner_up / MBIT,
+        "predicted_s": round(predicted, 3),
+        "predicted_no_churn_s": round(no_churn, 3),
+        "lower_bound_s": round(bound, 3),
+        "ratio": round(predicted / bound, 3),
+        "plan_bound_s": round(plan_bound(plan, size, up), 3),
+        "streams_recovered": recovered,
+        "plan_build_s": round(plan_build_s, 3),
+    }
+    if not args.no_announce:
+        cpu, nbytes, valid = announce_cost(plan_peers, size, chunk, args.fanout)
+        out.update({"announce_s": round(cpu, 3), "announce_bytes": nbytes, "announce_within_limits": valid})
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, default=1000)
+    ap.add_argument("--nat", type=float, default=0.5, help="fraction of peers behind NAT (they push)")
+    ap.add_argument("--nat-leaves", action="store_true", help="NAT'd peers are plain leaves (no push)")
+    ap.add_argument(
+        "--leaf-below-mbps",
+        type=float,
+        default=0.0,
+        help="announce peers with a slower uplink as leaves (NodeInfo.leaf)",
+    )
+    ap.add_argument("--churn", type=float, default=0.0, help="fraction of peers leaving during the version")
+    ap.add_argument("--size-mb", type=float, default=1024.0, help="version size in MiB")
+    ap.add_argument("--chunk-kb", type=float, default=0.0, help="0: auto_chunk_bytes (the learner's default)")
+    ap.add_argument("--fanout", type=int, default=4)
+    ap.add_argument("--uplink-mbps", type=float, default=5.0, help="lowest peer uplink (Mbit/s)")
+    ap.add_argument("--uplink-max-mbps", type=float, default=100.0, help="highest; equal or lower: all the same")
+    ap.add_argument("--learner-mbps", type=float, default=100.0, help="0: the lowest peer uplink")
+    ap.add_argument("--down-ratio", type=float, default=10.0, help="downlink / uplink (0: unlimited)")
+    ap.add_argument("--hop-ms", type=float, default=0.0, help="one-way latency per plan edge")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-announce", action="store_true", help="skip measuring the announcement")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.peers < 1 or not 0 <= args.nat <= 1 or not 0 <= args.churn < 1 or args.size_mb <= 0:
+        ap.error("need --peers >= 1, 0 <= --nat <= 1, 0 <= --churn < 1, --size-mb > 0")
+    if args.uplink_mbps <= 0 or args.fanout < 1:
+        ap.error("need --uplink-mbps > 0 and --fanout >= 1")
+    return args
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    emit(simulate(a), a.json)

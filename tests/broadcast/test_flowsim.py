@@ -1,0 +1,95 @@
+"""bench/flowsim.py, the flow-level broadcast model, against answers known in closed form on
+plans of three peers built by the real planner."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import flowsim
+
+from echorl.protocol import limits
+from echorl.protocol.plan import PlanPeer, plan_broadcast
+
+CHUNK = 64 * 1024
+B = 1_000_000.0  # bytes/s
+INF = float("inf")
+
+
+def _peers(ups: list[float]) -> list[flowsim.Peer]:
+    return [flowsim.Peer(f"p{i}", up, INF, True) for i, up in enumerate(ups)]
+
+
+def _plan(peers: list[flowsim.Peer], fanout: int):
+    return plan_broadcast(flowsim.LEARNER, [PlanPeer(p.peer_id) for p in peers], fanout)
+
+
+def test_chain_is_the_slowest_upstream_link_plus_one_chunk_per_hop():
+    # fanout 1: one stripe, a chain learner -> x -> y -> z; y and z get x's rate at most
+    peers = _peers([0.25 * B, 0.5 * B, 2 * B])
+    plan = _plan(peers, 1)
+    x = plan.children(flowsim.LEARNER, 0)[0]
+    y = plan.children(x, 0)[0]
+    ups = {p.peer_id: p.up for p in peers}
+    size = 12 * CHUNK
+    got, no_churn, recovered = flowsim.delivery(plan, peers, B, size, CHUNK)
+    # each stream runs at min(its parent's uplink, the rate the parent receives)
+    r_xy = min(ups[x], B)
+    r_yz = min(ups[y], r_xy)
+    first_x, first_y = CHUNK / B, CHUNK / B + CHUNK / r_xy
+    done_y = max(first_x + size / r_xy, size / B + CHUNK / r_xy)
+    done_z = max(first_y + size / r_yz, done_y + CHUNK / r_yz)
+    assert r_yz < r_xy  # the plan puts the slowest uplink mid-chain: the case worth checking
+    assert got == pytest.approx(done_z) and no_churn == got and recovered == 0
+
+
+def test_three_stripes_of_three_peers_take_w_over_b_plus_the_fill():
+    # fanout 4 over 3 peers: 3 stripes, each root forwards its third to the two others at
+    # B/3 (the rate it receives it); the last chunk lands 3c/B after W/B
+    peers = _peers([B, B, B])
+    plan = _plan(peers, 4)
+    assert [len(s.children[flowsim.LEARNER]) for s in plan.stripes] == [1, 1, 1]
+    size = 3 * 4 * CHUNK
+    got, _, _ = flowsim.delivery(plan, peers, B, size, CHUNK)
+    assert got == pytest.approx(size / B + 3 * CHUNK / B)
+    assert flowsim.lower_bound(size, B, peers) == pytest.approx(size / B)
+
+
+def test_a_relay_leaving_makes_its_subtree_stall_then_pull_the_stripe():
+    # the chain's head leaves at 0: the two below hear nothing for STALL_S, then each pulls
+    # the whole stripe from the other (4 requests in flight at a fair share of its uplink:
+    # B / (1 tree stream or none, + 4 requests)), but not before the median member has it
+    peers = _peers([B, B, B])
+    plan = _plan(peers, 1)
+    head = plan.children(flowsim.LEARNER, 0)[0]
+    size = 12 * CHUNK
+    got, no_churn, recovered = flowsim.delivery(plan, peers, B, size, CHUNK, leave_at={head: 0.0})
+    assert no_churn == pytest.approx(size / B + 2 * CHUNK / B)
+    assert recovered == 2
+    assert got == pytest.approx(flowsim.STALL_S + size / (4 * B / 5))
+
+
+def test_fair_share_gives_a_capped_flow_s_leftover_to_the_others():
+    assert flowsim._water_fill(10.0, [1.0, INF, INF]) == pytest.approx([1.0, 4.5, 4.5])
+
+
+def test_announcement_is_the_real_signed_message_and_flags_the_member_cap():
+    def members(n: int) -> list[PlanPeer]:
+        return [PlanPeer(p.peer_id, p.reachable, not p.reachable) for p in flowsim.draw_peers(n, 0.5, 5, 100, 10, 0)]
+
+    _cpu, small, valid = flowsim.announce_cost(members(3), 4 * CHUNK, CHUNK, 4)
+    assert valid and small > 3 * 46
+    _cpu, big, valid = flowsim.announce_cost(members(limits.MAX_PLAN_MEMBERS + 1), 4 * CHUNK, CHUNK, 4)
+    assert not valid and big > limits.MAX_PLAN_MEMBERS * 46
+
+
+def test_same_seed_same_prediction_and_a_cut_stream_waits_stall_s():
+    argv = ["--peers", "60", "--size-mb", "4", "--churn", "0.4", "--no-announce", "--seed", "3"]
+    one, two = flowsim.simulate(flowsim.parse_args(argv)), flowsim.simulate(flowsim.parse_args(argv))
+    for out in (one, two):
+        out.pop("plan_build_s")
+    assert one == two and one["streams_recovered"] > 0
+    assert one["predicted_s"] >= flowsim.STALL_S and one["ratio"] >= 1
