@@ -230,6 +230,38 @@ def guard_libp2p_inbound(swarm: Any, guard: ConnectionGuard, poll_s: float = 1.0
     swarm._handle_inbound_connection = guarded
 
 
+#: handshakes in flight on a host (py-libp2p's resource manager counts them as pending: 64 by
+#: default): a burst of joiners (a restart, a swarm bench) waits in the listen backlog past that;
+#: the handshake deadline and the per-address cap bound what half-open connections can hold
+MAX_PENDING_INBOUND = 256
+#: streams per connection py-libp2p's resource manager allows in all (10,000 by default, a cap a
+#: thousand peers with pooled lease/submit/ping streams would reach); per-stream limits are ours
+STREAMS_PER_CONNECTION = 16
+
+
+def resource_manager(limits: ConnectionLimits) -> Any:
+    """py-libp2p's resource manager sized above ``limits``: by default it admits 256 established
+    inbound connections and 1,000 in all, so a learner stopped accepting joins at its 256th peer
+    with a handshake it closed (bench/swarm.py at 300 peers); the guard above is the policy, this
+    only keeps py-libp2p's own caps out of its way."""
+    from libp2p.rcmgr import ResourceManager
+    from libp2p.rcmgr.connection_limits import ConnectionLimits as Libp2pLimits
+    from libp2p.rcmgr.manager import ResourceLimits
+
+    most = limits.max_connections
+    return ResourceManager(
+        limits=ResourceLimits(max_connections=most, max_streams=STREAMS_PER_CONNECTION * most),
+        connection_limits=Libp2pLimits(
+            max_pending_inbound=MAX_PENDING_INBOUND,
+            max_pending_outbound=OUTBOUND_HEADROOM,
+            max_established_inbound=limits.max_total,
+            max_established_outbound=OUTBOUND_HEADROOM,
+            max_established_per_peer=8,
+            max_established_total=most,
+        ),
+    )
+
+
 def no_pruning(swarm: Any) -> None:
     """Turn off py-libp2p's connection pruner on ``swarm``: past ``high_watermark`` (300 by
     default) it closes the lowest-valued connections 20 at a time after each new one, which on a

@@ -49,6 +49,7 @@ from echorl.net.guard import (
     guard_libp2p_inbound,
     no_pruning,
     raise_fd_limit,
+    resource_manager,
 )
 from echorl.net.serving import HostStats, RequestContext, RouteServer
 from echorl.protocol import limits, wire
@@ -331,7 +332,12 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
         inbound_upgrade_timeout=config.handshake_timeout_s,
     )
     listen = multiaddr.Multiaddr(config.listen)
-    lp_host = new_host(key_pair=create_new_key_pair(identity.seed), listen_addrs=[listen], connection_config=conn_cfg)
+    lp_host = new_host(
+        key_pair=create_new_key_pair(identity.seed),
+        listen_addrs=[listen],
+        connection_config=conn_cfg,
+        resource_manager=resource_manager(config.connection_limits),  # net/guard.py: above ours
+    )
     if str(lp_host.get_id()) != identity.peer_id:
         raise RuntimeError("libp2p peer id differs from the protocol identity")
     host = Host(identity, lp_host, config)

@@ -57,3 +57,19 @@ def test_the_open_file_limit_is_raised_for_the_connections() -> None:
         assert raise_fd_limit(10) == need  # never lowered
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_libp2p_s_resource_manager_admits_what_the_guard_admits() -> None:
+    """py-libp2p's resource manager admitted 256 established inbound connections and 1,000 in all
+    by default: at 300 peers the learner's joins stopped at 256 (bench/swarm.py). The host's own
+    resource manager now sits above the guard's total."""
+
+    async def main():
+        async with open_host(Identity.generate()) as host:
+            return host.libp2p.get_network()._resource_manager, host.guard.limits
+
+    rm, limits = trio.run(main)
+    assert rm.connection_limits.max_established_inbound >= limits.max_total > 1000
+    assert rm.connection_limits.max_established_total >= limits.max_connections
+    assert rm.limits.max_connections >= limits.max_connections
+    assert rm.limits.max_streams >= 10 * limits.max_total
