@@ -192,8 +192,11 @@ def dial_reason(exc: BaseException) -> str:
         return "connection refused: nothing listens on that port (is the learner running? right port?)"
     if codes & {errno.EHOSTUNREACH, errno.ENETUNREACH} or "unreachable" in text:
         return "no route to that host (wrong address, or this machine is offline)"
-    if "upgrade security" in text or "handshake" in text or "peer id" in text:
+    if any(type(e).__name__ == "PeerIDMismatchesPubkey" for e in found) or "peer id does not correspond" in text:
         return "the peer at that address is not the peer id in the address (wrong or old /p2p/ id?)"
+    if "upgrade security" in text or "handshake" in text:
+        # the peer closed or timed out the Noise handshake: a full or overloaded peer, not a wrong id
+        return "the peer closed the handshake (full or overloaded? retry later)"
     if "fail to open connection" in text:
         return "connection refused: nothing listens on that port (is the learner running? right port?)"
     inner = found[-1] if found else exc

@@ -95,3 +95,12 @@ def test_wildcard_host_advertises_interfaces():
             assert not any("/0.0.0.0/" in a for a in h.addrs)
 
     trio.run(main)
+
+
+def test_a_closed_handshake_is_not_called_a_wrong_peer_id():
+    """A handshake the peer closed (a learner full or overloaded: bench/swarm.py at 300 peers) was
+    reported as "not the peer id in the address", sending the user after the wrong cause."""
+    from echorl.net.addrs import dial_reason
+
+    closed = RuntimeError("failed to upgrade security for peer 12D3Koo: handshake failed when upgrading")
+    assert "closed the handshake" in dial_reason(closed) and "peer id" not in dial_reason(closed)
