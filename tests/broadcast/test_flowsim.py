@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+# Appended, not prepended: bench/ holds modules named like tests/ helpers (netlab, swarm), and a
+# test collected after this one must still import the tests/ one.
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import flowsim
 
 from echorl.protocol import limits
