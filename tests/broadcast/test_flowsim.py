@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
-# Appended, not prepended: bench/ holds modules named like tests/ helpers (netlab, swarm), and a
-# test collected after this one must still import the tests/ one.
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
-import flowsim
-
 from echorl.protocol import limits
 from echorl.protocol.plan import PlanPeer, plan_broadcast
+
+# bench/ holds modules named like tests/ helpers (netlab, swarm), and flowsim puts bench/ first on
+# sys.path as a script does: the path is restored after the import, so a test collected later
+# still imports the tests/ helper.
+_path = list(sys.path)
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
+import flowsim  # noqa: E402
+
+sys.path[:] = _path
 
 CHUNK = 64 * 1024
 B = 1_000_000.0  # bytes/s
