@@ -58,16 +58,19 @@ def run_episodes(
     max_tokens: int,
     seed: int | None = None,
     sampling_seed: int | None = None,
+    env_options: list[dict[str, Any] | None] | None = None,
 ) -> tuple[list[str], list[list[Sample]]]:
     """``group_size`` episodes per environment seed, in seed order; returns each seed's first
     observation (the prompt) and its episodes as :class:`Sample` (``mask`` and ``reward`` set).
     ``sampling_seed`` (a lease's): every model turn is a seeded sample (``actor/seeded.py``):
     episode ``k·G + j`` is sample ``k·G + j``, a token's position is its offset in the transcript
-    (observations included), so the learner replays every action the model took."""
+    (observations included), so the learner replays every action the model took.
+    ``env_options``: each seed's option overrides (a prompt's, e.g. self-play's opponent)."""
     live: list[_Live] = []
     prompts: list[str] = []
-    for env_seed in env_seeds:
-        runs = [task.run(env_seed) for _ in range(group_size)]
+    overrides = env_options or [None] * len(env_seeds)
+    for env_seed, options in zip(env_seeds, overrides, strict=True):
+        runs = [task.run(env_seed, options) for _ in range(group_size)]
         prompts.append(runs[0].observation)
         ids = backend.encode(runs[0].observation)
         live.extend(_Live(run, ids) for run in runs)

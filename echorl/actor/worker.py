@@ -115,7 +115,10 @@ def _rollouts(backend: Any, lease: Lease, envs: dict[str, Any], seed: int) -> li
         envs[key] = load_task(spec, **options)
     task = envs[key]
     seeds = [int(p.meta["env_seed"]) for p in lease.prompts]
-    return run_episodes(backend, task, seeds, lease.group_size, lease.params, task.max_episode_tokens, seed)[1]
+    overrides = [p.meta.get("env_options") for p in lease.prompts]
+    return run_episodes(
+        backend, task, seeds, lease.group_size, lease.params, task.max_episode_tokens, seed, env_options=overrides
+    )[1]
 
 
 def actor_main(

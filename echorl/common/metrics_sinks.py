@@ -35,6 +35,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "gauge",
         "chips/hand a best response gains over the game's value (poker; 0 at Nash)",
     ),
+    (
+        "forfeit_prob",
+        "echorl_learner_forfeit_prob",
+        "gauge",
+        "mean probability of an illegal answer at the policy's decisions (poker)",
+    ),
     ("loss", "echorl_learner_loss", "gauge", "GRPO loss of the last step"),
     ("grad_norm", "echorl_learner_grad_norm", "gauge", "gradient norm of the last step, before clipping"),
     ("entropy", "echorl_learner_entropy", "gauge", "mean per-token entropy (nats) of the policy on the last batch"),

@@ -61,6 +61,9 @@ def load_backend(cfg: NodeConfig) -> tuple[Any, float]:
     return backend, measure_tokens_per_second(backend)
 
 
+MAX_ENVIRONMENTS = 8  # built environments kept (one per spec and options; the oldest goes first)
+
+
 class EnvironmentRefused(Exception):
     """A lease names an environment this node does not run (not built in, not ``--allow-env``)
     or cannot build with the given options."""
@@ -72,6 +75,8 @@ def environment(state: NodeState, spec: Any) -> Any:
 
     key = repr((spec.env, sorted(spec.options.items())))
     if key not in state.envs:
+        while len(state.envs) >= MAX_ENVIRONMENTS:  # options change over a run (self-play's opponent)
+            state.envs.pop(next(iter(state.envs)))
         if spec.env not in BUILTIN and spec.env not in state.allow_env:
             raise EnvironmentRefused(f"environment {spec.env!r} is neither built in nor allowed (--allow-env)")
         try:
@@ -106,7 +111,10 @@ async def generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
         from echorl.actor.episodes import run_episodes
 
         task = environment(state, episode)
-        seeds = [p.episode.seed if p.episode is not None else episode.seed for p in lease.prompts]
+        specs = [p.episode or episode for p in lease.prompts]
+        if any(s.env != episode.env for s in specs):
+            raise EnvironmentRefused("a lease's prompts name more than one environment")
+        seeds = [s.seed for s in specs]
         version, incarnation, (_, groups) = await state.weights.run(
             run_episodes,
             state.weights.backend,
@@ -117,6 +125,7 @@ async def generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
             episode.max_tokens,
             None,
             lease.sampling_seed,
+            [dict(s.options) for s in specs],  # each prompt's own (self-play: the opponent it was dealt)
         )
     seconds = time.perf_counter() - t0
     wire_groups = [

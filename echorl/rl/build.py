@@ -57,6 +57,7 @@ def grpo_config(cfg: TrainingFields, device: str, dtype: str) -> GRPOConfig:
         max_grad_norm=cfg.max_grad_norm or None,
         micro_batch=cfg.micro_batch,
         kl_coef=cfg.kl_coef,
+        entropy_coef=cfg.entropy_coef,
         loss_norm=cfg.loss_norm,
         adv_norm=cfg.adv_norm,
         off_policy_correction=cfg.off_policy_correction,

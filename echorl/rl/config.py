@@ -136,6 +136,9 @@ class TrainingFields(LoraFields, TaskFields, BatchFields):
     """sequences per forward/backward pass (gradients accumulate over micro-batches; memory, not math)"""
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
     """weight of the k3 KL penalty to the initial model"""
+    entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """weight of an entropy bonus on the model's turns (keeps a self-play policy mixed: a deterministic
+    one makes every episode of a group alike, and a group of equal rewards teaches nothing)"""
     off_policy_correction: bool = True
     """clipped ratio + truncated IS against the behaviour policy (--no-off-policy-correction: the ablation)"""
     loss_norm: Literal["token", "sequence"] = "token"

@@ -14,6 +14,7 @@ Per completion token with log-prob ``l`` under the current policy, behaviour log
     s = min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)        PPO clipped surrogate
     if A < 0 and r > tis_cap:  s = min(r, tis_cap) * A   (value), gradient tis_cap * A * dl
     loss_tok = -s + kl_coef * (exp(l_ref - l) - (l_ref - l) - 1)     (k3 KL estimator)
+               - entropy_coef * H(pi_theta(. | prefix))            (entropy bonus, default off)
 
 The ratio against ``pi_b`` corrects for staleness (b may be up to S versions old). The
 truncation is the truncated importance weighting for actor/learner numeric mismatch and stale
@@ -77,6 +78,8 @@ class GRPOConfig:
     gradient that ignores staleness; the ablation of bench/staleness_sweep.py)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 = no reference)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus: ``- entropy_coef · H(π_θ(·|prefix))`` per completion token."""
     loss_norm: Literal["token", "sequence"] = "token"
     """'token': mean over all completion tokens; 'sequence': per-sequence mean, then mean."""
     adv_norm: AdvNorm = DEFAULT_ADV_NORM
@@ -130,12 +133,14 @@ def grpo_token_loss(
     ref_logp: torch.Tensor | None = None,
     n_tokens: float | None = None,
     n_seqs: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss of a [N, T] block of completion tokens (see the module docstring).
 
     ``advantages`` is [N] (one per sequence); ``mask`` [N, T] marks real tokens. ``n_tokens``
     / ``n_seqs`` are the batch-wide normalisers when this block is one micro-batch of many
-    (default: this block's own counts). Returns the loss and detached statistics.
+    (default: this block's own counts). ``entropy`` [N, T] (with its graph) is the bonus's, used
+    when ``cfg.entropy_coef > 0``. Returns the loss and detached statistics.
     """
     import torch
 
@@ -156,6 +161,8 @@ def grpo_token_loss(
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
         tok = tok + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        tok = tok - cfg.entropy_coef * entropy
     if cfg.loss_norm == "token":
         denom = float(n_tokens) if n_tokens is not None else float(mask.sum().clamp(min=1))
         loss = (tok * mask).sum() / denom
@@ -305,14 +312,15 @@ class GRPOTrainer:
     def token_logprobs_entropy(
         self, model: Any, ids: torch.Tensor, att: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`token_logprobs` and the (detached) entropy in nats of the sampling distribution
-        ``softmax(logits / T)`` at every position, both [N, T-1]."""
+        """:meth:`token_logprobs` and the entropy in nats of the sampling distribution
+        ``softmax(logits / T)`` at every position, both [N, T-1] (the entropy detached unless the
+        loss has an entropy bonus)."""
         import torch
 
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         temp = self.config.temperature if self.config.temperature > 0 else 1.0
         logp_all = torch.log_softmax(logits / temp, dim=-1)
-        with torch.no_grad():
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.entropy_coef > 0):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
 
@@ -374,14 +382,14 @@ class GRPOTrainer:
                     with torch.no_grad(), lora.reference(self.model, self.ref_model) as ref_model:
                         ref = self.token_logprobs(ref_model, ids, att)
             adv = torch.tensor(advs[start : start + mb], device=logp.device)
-            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs)
+            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs, entropy)
             loss.backward()
             sums["loss"] += float(loss.detach())
             w = float(cmask.sum()) / n_tokens
             for k in ("ratio_mean", "clip_frac", "tis_frac", "kl"):
                 sums[k] += st[k] * w
             sums["logp_abs_diff"] += float(((logp.detach() - blogp).abs() * cmask).sum()) / n_tokens
-            sums["entropy"] += float((entropy * cmask).sum()) / n_tokens
+            sums["entropy"] += float((entropy.detach() * cmask).sum()) / n_tokens
         return sums
 
     def finish_step(self, loss: float) -> float | None:

@@ -36,11 +36,13 @@ if TYPE_CHECKING:
     from echorl.rl.buffer import StalenessBuffer
     from echorl.rl.seams import MetricsSink, Trainer
     from echorl.tasks.base import Task
+    from echorl.tasks.selfplay import SelfPlay
 
 log = logging.getLogger(__name__)
 
 TRAINED_IDS_KEPT = 200_000  # prompt ids remembered across a resume (for prompts_trained_twice)
 EVAL_SEED_OFFSET = 7919  # held-out sampling seed = run seed + this, in every evaluation
+OPPONENT_TABLE = "_opponent_table"  # the evaluation's self-play snapshot, taken out before the row
 
 
 class Stateful(Protocol):
@@ -104,6 +106,9 @@ class TrainingLoop:
         self.rule = StalenessRule(settings.staleness, settings.prompts_per_step)  # every staleness rule
         self.eval_backend = eval_backend
         self.parts: dict[str, Stateful] = {"buffer": buffer}
+        self.self_play: SelfPlay | None = getattr(task, "self_play", None)  # the task's opponent history
+        if self.self_play is not None:
+            self.parts["self_play"] = self.self_play
         self.resumed_extra: dict[str, Any] | None = None  # the checkpoint's extra, after a resume
         self.stopping = False  # set on SIGTERM: the loop ends at the next step boundary
         self.failed: str | None = None  # why training could not go on (a data-parallel worker was lost)
@@ -286,11 +291,16 @@ class TrainingLoop:
             "eval_exact": exact is not None,
             "eval_prompts": len(prompts),
             **({} if extra is None else extra(prompts, policy)),
+            **({} if self.self_play is None else {OPPONENT_TABLE: self.self_play.snapshot(policy)}),
         }
 
     async def _eval(self, full: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         ev = await trio.to_thread.run_sync(self.evaluate, full)
+        table = ev.pop(OPPONENT_TABLE, None)
+        if self.self_play is not None and table is not None:  # adopted between steps, on the event loop
+            self.self_play.adopt(table)
+            ev["self_play_snapshots"] = len(self.self_play.tables)
         self.eval_s += time.perf_counter() - t0
         self.last_eval = ev["eval_reward"]
         if self.first_eval is None:

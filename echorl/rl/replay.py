@@ -131,7 +131,7 @@ class Replayer:
         toks, mask = list(sample.token_ids), sample.mask
         if mask is None or len(mask) != len(toks):
             raise ReplayMismatch("an episode needs a model mask as long as its transcript")
-        run = self.task.run(int(prompt.meta["env_seed"]))
+        run = self.task.run(int(prompt.meta["env_seed"]), prompt.meta.get("env_options"))
         if run.observation != prompt.text:
             raise ReplayMismatch("the environment's first observation differs from the prompt")
         i, k = 0, 0
@@ -173,7 +173,7 @@ def episode_spec(task: Task, prompt: Prompt) -> EpisodeSpec | None:
     task = cast("EnvTask", task)
     return EpisodeSpec(
         env=task.spec,
-        options=env_options_of(task),
+        options=env_options_of(task, prompt),
         seed=int(prompt.meta["env_seed"]),
         max_turns=task.max_turns,
         max_tokens=task.max_episode_tokens,

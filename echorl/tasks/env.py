@@ -24,12 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import EnvStep, Prompt, Task, TaskError, TurnPolicy
+from .selfplay import SelfPlay
 
 log = logging.getLogger("echorl.tasks.env")
 
 EVAL_SALT = "eval"
 MAX_TURNS = 256  # protocol bound on an episode's turns (EpisodeSpec.max_turns)
-WRAPPER_OPTIONS = ("seed", "n_eval", "max_turns")
+WRAPPER_OPTIONS = ("seed", "n_eval", "max_turns", "self_play")
 
 
 class Environment:
@@ -135,7 +136,10 @@ class EnvTask(Task):
     """A :class:`Task` over an environment class: prompts are episodes (see the module docstring).
 
     Options: ``seed`` (training seeds, default 0), ``n_eval`` (held-out episodes),
-    ``max_turns`` (overrides the environment's); every other option goes to the environment.
+    ``max_turns`` (overrides the environment's), ``self_play`` (0: off; K: the training opponent is
+    the mean of the policy's last K snapshots, ``tasks/selfplay.py``); every other option goes to
+    the environment. A training prompt made under option overrides (self-play's opponent) carries
+    them in ``meta["env_options"]``: its episodes are run and replayed under them.
     """
 
     episodic = True
@@ -148,6 +152,7 @@ class EnvTask(Task):
         seed: int = 0,
         n_eval: int | None = None,
         max_turns: int | None = None,
+        self_play: int = 0,
         **env_options: Any,
     ) -> None:
         super().__init__()
@@ -163,24 +168,34 @@ class EnvTask(Task):
             raise TaskError(f"{spec}: max_turns must be in 1..{MAX_TURNS}, got {self.max_turns}")
         if not 1 <= self.max_new_tokens <= 4096 or not 1 <= self.n_eval <= 100_000:
             raise TaskError(f"{spec}: max_action_tokens must be in 1..4096 and n_eval in 1..100000")
+        self.self_play = SelfPlay(probe, self_play) if self_play else None  # type: ignore[arg-type]
 
-    def make_env(self) -> Environment:
+    def make_env(self, overrides: dict[str, Any] | None = None) -> Environment:
+        """The environment under the task's options, ``overrides`` (a prompt's) on top; wrapper
+        options among them (a lease's ``EpisodeSpec.options`` carries ``max_turns``) are not the
+        environment's and are left out."""
+        options = dict(self.env_options)
+        options.update({k: v for k, v in (overrides or {}).items() if k not in WRAPPER_OPTIONS})
         try:
-            return self.env_cls(**self.env_options)
+            return self.env_cls(**options)
         except TaskError:
             raise
         except (TypeError, ValueError) as exc:
-            raise TaskError(f"environment {self.spec!r}: bad options {self.env_options}: {exc}") from None
+            raise TaskError(f"environment {self.spec!r}: bad options {options}: {exc}") from None
 
-    def run(self, env_seed: int) -> EpisodeRun:
-        """A fresh episode of ``env_seed`` under the referee."""
-        return EpisodeRun(self.make_env, env_seed, self.max_turns)
+    def run(self, env_seed: int, overrides: dict[str, Any] | None = None) -> EpisodeRun:
+        """A fresh episode of ``env_seed`` under the referee (``overrides``: a prompt's options)."""
+        return EpisodeRun(lambda: self.make_env(overrides), env_seed, self.max_turns)
 
-    def _prompt(self, pid: str, env_seed: int) -> Prompt:
-        return Prompt(prompt_id=pid, text=self.run(env_seed).observation, meta={"env_seed": env_seed})
+    def _prompt(self, pid: str, env_seed: int, overrides: dict[str, Any] | None = None) -> Prompt:
+        meta: dict[str, Any] = {"env_seed": env_seed}
+        if overrides:
+            meta["env_options"] = dict(overrides)
+        return Prompt(prompt_id=pid, text=self.run(env_seed, overrides).observation, meta=meta)
 
     def prompt_at(self, index: int) -> Prompt:
-        return self._prompt(f"{self.name}:{index}", episode_seed(self.seed, index))
+        play = None if self.self_play is None else self.self_play.options
+        return self._prompt(f"{self.name}:{index}", episode_seed(self.seed, index), play)
 
     def eval_prompts(self) -> list[Prompt]:
         return [self._prompt(f"{self.name}:eval:{i}", episode_seed(0, i, EVAL_SALT)) for i in range(self.n_eval)]
@@ -207,6 +222,8 @@ def is_episodic(task: Any) -> bool:
     return bool(getattr(task, "episodic", False))
 
 
-def env_options_of(task: Any) -> dict[str, Any]:
-    """The options a node needs to build the same environment (wrapper options included)."""
-    return {**task.env_options, "max_turns": task.max_turns}
+def env_options_of(task: Any, prompt: Prompt | None = None) -> dict[str, Any]:
+    """The options a node needs to build the same environment (wrapper options included) for
+    ``prompt``'s episodes (its own overrides on top)."""
+    overrides = {} if prompt is None else prompt.meta.get("env_options") or {}
+    return {**task.env_options, **overrides, "max_turns": task.max_turns}

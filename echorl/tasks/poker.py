@@ -15,8 +15,10 @@ than ``0``/``1`` (EOS included) forfeits the hand: the agent loses what it has p
 
 The reward is the agent's chips won in the hand (−2 … +2); ``eval_reward`` is therefore mean
 chips per hand over the held-out deals. The seat alternates with the seed (``seat=1``/``2``
-fixes it). Opponents: ``"fixed"`` (default: a loose, exploitable player: see ``FIXED``) or
-``"nash"`` (the equilibrium with α = 1/6: nothing to exploit).
+fixes it). Opponents: ``"fixed"`` (default: a loose, exploitable player: see ``FIXED``),
+``"nash"`` (the equilibrium with α = 1/6: nothing to exploit) or ``"table:p1,…,p12"``, a player
+that bets with probability ``p_i`` at the i-th decision of ``TABLE_KEYS`` — how self-play
+(``tasks/selfplay.py``, ``--task-option self_play=K``) makes the policy its own opponent.
 """
 
 from __future__ import annotations
@@ -74,6 +76,27 @@ OPPONENTS: dict[str, Policy] = {
 }
 
 
+TABLE_PREFIX = "table:"
+
+
+def table_policy(text: str) -> Policy:
+    """The opponent of a ``table:p1,…,p12`` option (bet probabilities at ``TABLE_KEYS``)."""
+    parts = text[len(TABLE_PREFIX) :].split(",")
+    try:
+        probs = [float(x) for x in parts]
+    except ValueError:
+        probs = []
+    if len(probs) != len(TABLE_KEYS) or not all(0.0 <= x <= 1.0 for x in probs):
+        raise TaskError(f"poker: a table opponent is {len(TABLE_KEYS)} probabilities in [0, 1], got {text[:120]!r}")
+    table = dict(zip(TABLE_KEYS, probs))
+    return lambda card, h: table[(card, h)]
+
+
+def table_text(table: list[float]) -> str:
+    """The option text of a table (4 decimals: what both ends parse is this text)."""
+    return TABLE_PREFIX + ",".join(f"{min(1.0, max(0.0, x)):.4f}" for x in table)
+
+
 def to_act(history: str) -> int:
     """Seat (1 or 2) whose decision it is."""
     return 1 + len(history) % 2
@@ -98,6 +121,8 @@ INFO_SETS: dict[int, list[tuple[int, str]]] = {
     2: [(c, h) for c in range(3) for h in ("0", "1")],
 }
 DEALS = list(itertools.permutations(range(3), 2))
+#: a table opponent's decisions, in order: seat 1's, then seat 2's
+TABLE_KEYS = INFO_SETS[1] + INFO_SETS[2]
 
 
 def strategy_of(policy: Policy) -> Strategy:
@@ -179,11 +204,15 @@ class KuhnPoker(Environment):
     n_eval = 1200
 
     def __init__(self, opponent: str = "fixed", seat: int = 0) -> None:
-        if opponent not in OPPONENTS:
-            raise TaskError(f"poker: opponent must be one of {sorted(OPPONENTS)}, got {opponent!r}")
+        if isinstance(opponent, str) and opponent.startswith(TABLE_PREFIX):
+            self.opponent = table_policy(opponent)
+        elif opponent in OPPONENTS:
+            self.opponent = OPPONENTS[opponent]
+        else:
+            raise TaskError(f"poker: opponent must be one of {sorted(OPPONENTS)} or {TABLE_PREFIX}…, got {opponent!r}")
         if seat not in (0, 1, 2):
             raise TaskError(f"poker: seat must be 0 (alternate), 1 or 2, got {seat!r}")
-        self.opponent, self.seat = OPPONENTS[opponent], int(seat)
+        self.seat = int(seat)
         self.rng = random.Random(0)
         self.cards = (0, 1)
         self.agent = 1
@@ -247,6 +276,28 @@ class KuhnPoker(Environment):
 
     def exact_metrics(self, policy: TurnPolicy) -> dict[str, float]:
         """Exact figures beside the reward: ``exploitability`` of the policy playing both seats
-        (chips per hand a best response gains over the game's value; 0 at a Nash equilibrium)."""
+        (chips per hand a best response gains over the game's value; 0 at a Nash equilibrium) and
+        ``forfeit_prob``, the mean probability of an answer other than ``0``/``1`` at its 12
+        decisions (the mass an entropy bonus can push onto the rest of the vocabulary)."""
         mine = self.strategy(policy)
-        return {"exploitability": exploitability(mine[1], mine[2])}
+        forfeit = [1.0 - sum(mine[to_act(h)](card, h)) for card, h in TABLE_KEYS]
+        return {"exploitability": exploitability(mine[1], mine[2]), "forfeit_prob": sum(forfeit) / len(forfeit)}
+
+    # -- self-play (tasks/selfplay.py) -----------------------------------------------------
+    def opponent_table(self, policy: TurnPolicy) -> list[float]:
+        """The policy's bet probability at each decision of ``TABLE_KEYS``. An answer other than
+        ``0``/``1`` facing a bet forfeits what a fold loses, so it counts as passing there;
+        elsewhere it is left out (the bet probability is over the two legal answers; neither: 1/2)."""
+        mine = self.strategy(policy)
+        out = []
+        for card, h in TABLE_KEYS:
+            p_pass, p_bet = mine[to_act(h)](card, h)
+            if h.endswith("1"):
+                out.append(p_bet)
+            else:
+                out.append(p_bet / (p_pass + p_bet) if p_pass + p_bet > 1e-12 else 0.5)
+        return out
+
+    @staticmethod
+    def opponent_options(table: list[float]) -> dict[str, str]:
+        return {"opponent": table_text(table)}

@@ -9,26 +9,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kuhn import TablePolicy
+
 from echorl.actor.types import SamplingParams
 from echorl.tasks import load_task
 from echorl.tasks.base import Query
-from echorl.tasks.poker import CARDS, FIXED, KuhnPoker, best_response_value, fixed_opponent, seat_value
-
-
-class TablePolicy:
-    """A Kuhn strategy as a TurnPolicy: P(bet) per (card, history) read back from the transcript."""
-
-    def __init__(self, table: dict[tuple[int, str], float], forfeit: float = 0.0) -> None:
-        self.table, self.forfeit = table, forfeit
-
-    def probs(self, queries: list[Query]) -> list[float]:
-        out = []
-        for q in queries:
-            view = q.turns[0]
-            history = view[3:-1] + "".join(t.rstrip("=") for t in q.turns[1:])
-            p_bet = self.table[(CARDS.index(view[0]), history)] * (1 - self.forfeit)
-            out.append(p_bet if q.text == "1" else (1 - self.forfeit) - p_bet)
-        return out
+from echorl.tasks.poker import FIXED, KuhnPoker, best_response_value, fixed_opponent, seat_value
 
 
 def test_poker_exact_eval_is_the_game_value_of_the_strategy():

@@ -146,6 +146,28 @@ def test_lr_zero_and_equal_rewards_leave_weights(tiny_model_dir):
         assert m["grad_norm"] == 0.0 or cfg.lr == 0.0
 
 
+def test_an_entropy_bonus_is_in_the_loss_and_keeps_the_policy_wider(tiny_model_dir):
+    """By hand: the loss falls by ``entropy_coef`` × the token-mean entropy. In training: from the
+    same start and batches, the run with the bonus ends with a wider policy than the one without."""
+    from echorl.actor.backend import TorchBackend
+
+    logp, blogp, adv, mask = _inputs()
+    entropy = torch.rand_like(logp)
+    plain, _ = grpo_token_loss(logp, blogp, adv, mask, GRPOConfig())
+    bonus, _ = grpo_token_loss(logp, blogp, adv, mask, GRPOConfig(entropy_coef=0.3), entropy=entropy)
+    want = float(plain.detach()) - 0.3 * float((entropy * mask).sum() / mask.sum())
+    assert float(bonus.detach()) == pytest.approx(want, rel=1e-6)
+
+    backend = TorchBackend.from_pretrained(tiny_model_dir)
+    groups = _groups(backend, 0, lambda i: float(i % 2))
+    ends = {}
+    for coef in (0.0, 1.0):
+        trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=3e-3, entropy_coef=coef))
+        for _ in range(4):
+            ends[coef] = trainer.train_step(groups)["entropy"]
+    assert ends[1.0] > ends[0.0] + 0.01, ends
+
+
 def test_train_step_rejects_missing_rewards(tiny_model_dir):
     trainer = GRPOTrainer(tiny_model_dir, GRPOConfig())
     g = RolloutGroup("p", "1+1=", [4, 75, 4, 83], [Sample([5], [-1.0], "length", "2")], 0, None)

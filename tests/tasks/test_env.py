@@ -174,3 +174,14 @@ def test_eval_seeds_are_fixed_and_differ_from_training():
     ev = [p.meta["env_seed"] for p in task.eval_prompts()]
     assert ev == [p.meta["env_seed"] for p in load_task("poker", n_eval=50, seed=9).eval_prompts()]
     assert not set(ev) & {p.meta["env_seed"] for p in task.next_prompts(500)}
+
+
+def test_a_table_opponent_plays_its_table_and_a_bad_table_is_refused():
+    from echorl.tasks.poker import FIXED, TABLE_KEYS, table_text
+
+    fixed_as_table = KuhnPoker(opponent=table_text([FIXED[k] for k in TABLE_KEYS])).opponent
+    for seat in (1, 2):
+        assert seat_value(uniform_policy, fixed_as_table, seat) == seat_value(uniform_policy, fixed_opponent, seat)
+    for bad in ("table:0.5", "table:" + ",".join(["0.5"] * 11 + ["1.5"]), "table:" + ",".join(["x"] * 12)):
+        with pytest.raises(TaskError, match="table opponent"):
+            KuhnPoker(opponent=bad)
