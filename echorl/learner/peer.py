@@ -76,7 +76,7 @@ def _check_task_and_model(cfg: LearnerConfig) -> None:
 
     if cfg.task == "addition":
         cfg.task_options.setdefault("seed", cfg.seed)
-    load_task(cfg.task, **cfg.task_options)
+    cfg.check_task(load_task(cfg.task, **cfg.task_options))
     cfg.check_model()
 
 

@@ -43,8 +43,9 @@ def model_path(cfg: ModelFields) -> Path:
     return Path(cfg.model) if cfg.model else default_model()
 
 
-def grpo_config(cfg: TrainingFields, device: str, dtype: str) -> GRPOConfig:
-    """The trainer's hyper-parameters from a run's settings (``device``/``dtype`` resolved)."""
+def grpo_config(cfg: TrainingFields, device: str, dtype: str, entropy_tokens: tuple[int, ...] = ()) -> GRPOConfig:
+    """The trainer's hyper-parameters from a run's settings (``device``/``dtype`` resolved;
+    ``entropy_tokens``: :func:`action_tokens`)."""
     return GRPOConfig(
         lr=cfg.lr,
         lr_schedule=cfg.lr_schedule,
@@ -58,6 +59,7 @@ def grpo_config(cfg: TrainingFields, device: str, dtype: str) -> GRPOConfig:
         micro_batch=cfg.micro_batch,
         kl_coef=cfg.kl_coef,
         entropy_coef=cfg.entropy_coef,
+        entropy_tokens=entropy_tokens,
         loss_norm=cfg.loss_norm,
         adv_norm=cfg.adv_norm,
         off_policy_correction=cfg.off_policy_correction,
@@ -88,6 +90,18 @@ def loop_settings(cfg: TrainingFields, meta: dict[str, Any] | None = None) -> Lo
     )
 
 
+def action_tokens(task: Task, backend: TorchBackend) -> tuple[int, ...]:
+    """The token ids of the task's legal actions (``legal_actions``), each one token, for
+    ``--entropy-over actions``; a ValueError naming the task where it has none."""
+    actions = list(getattr(task, "legal_actions", None) or [])
+    ids = [backend.encode(a) for a in actions]
+    if len(ids) < 2 or any(len(i) != 1 for i in ids):
+        raise ValueError(
+            f"--entropy-over actions needs a task with two or more one-token legal actions; {task.name} has {actions}"
+        )
+    return tuple(i[0] for i in ids)
+
+
 def build_loop(
     cfg: TrainingFields, task: Task, *, meta: dict[str, Any] | None = None, keep_rows: bool = False
 ) -> TrainingLoop:
@@ -100,7 +114,9 @@ def build_loop(
     model_dir = model_path(cfg)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype)
-    grpo = data_parallel(GRPOTrainer(backend.model, grpo_config(cfg, device, dtype)), model_dir, cfg.nproc, cfg.seed)
+    tokens = action_tokens(task, backend) if cfg.entropy_over == "actions" else ()
+    trainer = GRPOTrainer(backend.model, grpo_config(cfg, device, dtype, tokens))
+    grpo = data_parallel(trainer, model_dir, cfg.nproc, cfg.seed)
     task = with_chat_template(task, backend.tokenizer, cfg.chat_template)  # single-turn prompts in the model's template
     replay = group_scorer(task, backend.tokenizer)  # episodic tasks: rewards come from replaying the episodes
     buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)

@@ -11,7 +11,7 @@ made from these models by :mod:`echorl.common.config`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -20,6 +20,9 @@ from echorl.common.config import ConfigError, Flag, ModelFields, Section
 from echorl.protocol import limits
 from echorl.rl.advantages import DEFAULT_ADV_NORM, AdvNorm
 from echorl.tasks import BUILTIN, parse_task_options
+
+if TYPE_CHECKING:
+    from echorl.tasks.base import Task
 
 TOP_P_REFUSED = (
     "top_p < 1 is refused: the actors' behaviour log-probs and the learner's recomputed ones are of the "
@@ -113,6 +116,12 @@ class LoraFields(ModelFields):
 class TrainingFields(LoraFields, TaskFields, BatchFields):
     """Everything a GRPO run needs, with or without a network."""
 
+    def check_task(self, task: Task) -> None:
+        """What the settings need of the loaded task: one line now, before anything heavy loads."""
+        actions = list(getattr(task, "legal_actions", None) or [])
+        if self.entropy_over == "actions" and len(actions) < 2:
+            raise ConfigError(f"--entropy-over actions needs a task with legal actions; {self.task!r} declares none")
+
     steps: Steps = 0
     publish_every: PublishEvery = 0
     lr: float = Field(5e-4, ge=0.0, le=1.0)
@@ -139,6 +148,9 @@ class TrainingFields(LoraFields, TaskFields, BatchFields):
     entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
     """weight of an entropy bonus on the model's turns (keeps a self-play policy mixed: a deterministic
     one makes every episode of a group alike, and a group of equal rewards teaches nothing)"""
+    entropy_over: Literal["vocab", "actions"] = "vocab"
+    """the bonus's entropy: over the whole vocabulary, or over the task's legal one-token actions
+    renormalised ('actions': poker's 0/1; widens the choice without moving mass onto illegal answers)"""
     off_policy_correction: bool = True
     """clipped ratio + truncated IS against the behaviour policy (--no-off-policy-correction: the ablation)"""
     loss_norm: Literal["token", "sequence"] = "token"

@@ -111,6 +111,7 @@ class WorkerSpec:
     def grpo_config(self, device: str) -> GRPOConfig:
         d = dict(self.grpo, device=device)
         d["betas"] = tuple(d["betas"])
+        d["entropy_tokens"] = tuple(d["entropy_tokens"])
         return GRPOConfig(**d)
 
 

@@ -80,6 +80,10 @@ class GRPOConfig:
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 = no reference)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus: ``- entropy_coef · H(π_θ(·|prefix))`` per completion token."""
+    entropy_tokens: tuple[int, ...] = ()
+    """The bonus's entropy over these token ids only, renormalised (a task's legal one-token
+    actions: it widens the choice between them without moving mass onto anything else); empty:
+    over the whole vocabulary."""
     loss_norm: Literal["token", "sequence"] = "token"
     """'token': mean over all completion tokens; 'sequence': per-sequence mean, then mean."""
     adv_norm: AdvNorm = DEFAULT_ADV_NORM
@@ -311,18 +315,22 @@ class GRPOTrainer:
 
     def token_logprobs_entropy(
         self, model: Any, ids: torch.Tensor, att: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`token_logprobs` and the entropy in nats of the sampling distribution
-        ``softmax(logits / T)`` at every position, both [N, T-1] (the entropy detached unless the
-        loss has an entropy bonus)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`token_logprobs`, the (detached) entropy in nats of the sampling distribution
+        ``softmax(logits / T)`` at every position, and the entropy bonus's (with its graph; None
+        without a bonus), all [N, T-1]."""
         import torch
 
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-        temp = self.config.temperature if self.config.temperature > 0 else 1.0
-        logp_all = torch.log_softmax(logits / temp, dim=-1)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.entropy_coef > 0):
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / (self.config.temperature or 1.0)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
+        bonus = None
+        if self.config.entropy_coef > 0:
+            picked = logits[..., list(self.config.entropy_tokens)] if self.config.entropy_tokens else logits
+            logq = torch.log_softmax(picked, dim=-1)
+            bonus = -(logq.exp() * logq).sum(-1)
+        return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy, bonus
 
     def load_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], version: int) -> None:
         """Set weights, optimizer state and version (a checkpoint's). A tied ``lm_head.weight``
@@ -376,20 +384,20 @@ class GRPOTrainer:
             chunk = rows[start : start + mb]
             ids, att, cmask, blogp = self._batch(chunk)
             with precision.autocast(self.config.device, self.config.dtype):
-                logp, entropy = self.token_logprobs_entropy(self.model, ids, att)
+                logp, entropy, bonus = self.token_logprobs_entropy(self.model, ids, att)
                 ref = None
                 if self.config.kl_coef > 0:
                     with torch.no_grad(), lora.reference(self.model, self.ref_model) as ref_model:
                         ref = self.token_logprobs(ref_model, ids, att)
             adv = torch.tensor(advs[start : start + mb], device=logp.device)
-            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs, entropy)
+            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs, bonus)
             loss.backward()
             sums["loss"] += float(loss.detach())
             w = float(cmask.sum()) / n_tokens
             for k in ("ratio_mean", "clip_frac", "tis_frac", "kl"):
                 sums[k] += st[k] * w
             sums["logp_abs_diff"] += float(((logp.detach() - blogp).abs() * cmask).sum()) / n_tokens
-            sums["entropy"] += float((entropy.detach() * cmask).sum()) / n_tokens
+            sums["entropy"] += float((entropy * cmask).sum()) / n_tokens
         return sums
 
     def finish_step(self, loss: float) -> float | None:

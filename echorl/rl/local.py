@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.task == "addition":
             cfg.task_options.setdefault("seed", cfg.seed)
         task = load_task(cfg.task, **cfg.task_options)  # TaskError is a ValueError
+        cfg.check_task(task)
         cfg.check_model()
         from echorl.actor.device import pin_device
 

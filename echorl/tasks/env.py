@@ -42,6 +42,8 @@ class Environment:
         max_action_tokens: tokens of one model turn (the sampling length of a turn).
         stop: stop strings that end a model turn early (the EOS token always does).
         n_eval: held-out episodes evaluated (mean reward over them is ``eval_reward``).
+        legal_actions: optional; the turns the environment accepts, each one token
+            (``--entropy-over actions`` puts the entropy bonus on the choice among them).
 
     Constructor keyword arguments are the environment's options (``--task-option``); they travel
     to the nodes with every lease, so keep them plain scalars.
@@ -163,6 +165,7 @@ class EnvTask(Task):
         self.max_turns = int(max_turns if max_turns is not None else getattr(probe, "max_turns", 8))
         self.max_new_tokens = int(getattr(probe, "max_action_tokens", 4))
         self.stop = [str(s) for s in (getattr(probe, "stop", None) or [])]
+        self.legal_actions = [str(a) for a in (getattr(probe, "legal_actions", None) or [])]
         self.n_eval = int(n_eval if n_eval is not None else getattr(probe, "n_eval", 256))
         if not 1 <= self.max_turns <= MAX_TURNS:
             raise TaskError(f"{spec}: max_turns must be in 1..{MAX_TURNS}, got {self.max_turns}")

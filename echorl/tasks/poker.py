@@ -201,6 +201,7 @@ class KuhnPoker(Environment):
     max_turns = 2
     max_action_tokens = 1
     stop: list[str] = []
+    legal_actions = ["0", "1"]  # (anything else forfeits)
     n_eval = 1200
 
     def __init__(self, opponent: str = "fixed", seat: int = 0) -> None:

@@ -49,6 +49,8 @@ def test_keygen_creates_then_reuses_key(tmp_path):
         (["--model", "."], "is not a Hugging Face model directory"),
         (["--config", "missing.json"], "No such file"),
         (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--task", "guess", "--entropy-over", "actions"], "needs a task with legal actions; 'guess' declares none"),
+        (["--task", "guess", "--task-option", "self_play=2"], "has no self-play"),
     ],
 )
 def test_learner_refuses_bad_config_before_starting(tmp_path, args, message):

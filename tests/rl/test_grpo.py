@@ -158,6 +158,14 @@ def test_an_entropy_bonus_is_in_the_loss_and_keeps_the_policy_wider(tiny_model_d
     want = float(plain.detach()) - 0.3 * float((entropy * mask).sum() / mask.sum())
     assert float(bonus.detach()) == pytest.approx(want, rel=1e-6)
 
+    # over two tokens only: the entropy of their renormalised pair (at most ln 2), with its gradient
+    two = GRPOTrainer(tiny_model_dir, GRPOConfig(entropy_coef=0.1, entropy_tokens=(5, 9)))
+    ids = torch.tensor([[4, 5, 9, 7]])
+    _, full, pair = two.token_logprobs_entropy(two.model, ids, torch.ones_like(ids))
+    q = torch.softmax(two.model(input_ids=ids).logits[:, :-1, [5, 9]].float(), -1)
+    assert pair.requires_grad and torch.allclose(pair, -(q * q.log()).sum(-1), atol=1e-6)
+    assert float(pair.max()) <= math.log(2) + 1e-6 < float(full.min())
+
     backend = TorchBackend.from_pretrained(tiny_model_dir)
     groups = _groups(backend, 0, lambda i: float(i % 2))
     ends = {}
