@@ -63,6 +63,7 @@ def grpo_config(cfg: TrainingFields, device: str, dtype: str, entropy_tokens: tu
         loss_norm=cfg.loss_norm,
         adv_norm=cfg.adv_norm,
         off_policy_correction=cfg.off_policy_correction,
+        decoupled=cfg.decoupled_correction,
         temperature=cfg.temperature,
         device=device,
         dtype=dtype,

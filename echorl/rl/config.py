@@ -152,6 +152,10 @@ class TrainingFields(LoraFields, TaskFields, BatchFields):
     """the bonus's entropy: over the whole vocabulary, or over the task's legal one-token actions
     renormalised ('actions': poker's 0/1; widens the choice without moving mass onto illegal answers)"""
     off_policy_correction: bool = True
+    decoupled_correction: bool = False
+    """the decoupled correction (AReaL): clip against the learner's own policy at the step's start and
+    weight each token by the truncated π/π_behaviour ratio, so an engine's log-prob mismatch scales a
+    token's gradient instead of masking it (bf16 or vLLM nodes)"""
     """clipped ratio + truncated IS against the behaviour policy (--no-off-policy-correction: the ablation)"""
     loss_norm: Literal["token", "sequence"] = "token"
     """average the loss over tokens or over sequences"""

@@ -16,6 +16,11 @@ Per completion token with log-prob ``l`` under the current policy, behaviour log
     loss_tok = -s + kl_coef * (exp(l_ref - l) - (l_ref - l) - 1)     (k3 KL estimator)
                - entropy_coef * H(pi_theta(. | prefix))            (entropy bonus, default off)
 
+``decoupled`` (AReaL's correction, off by default) replaces ``s`` with
+``min(r_b, tis_cap) * min(r_p * A, clip(r_p) * A)``, ``r_p = pi_theta / pi_prox`` with the proximal
+policy the learner's own at the step's start (``r_p`` = 1, gradient ``A * dl``) and ``r_b`` =
+``pi_prox / pi_b``: a mismatched engine scales a token's gradient instead of masking it.
+
 The ratio against ``pi_b`` corrects for staleness (b may be up to S versions old). The
 truncation is the truncated importance weighting for actor/learner numeric mismatch and stale
 samples: where the behaviour engine gave a token a much lower probability than the learner
@@ -76,6 +81,9 @@ class GRPOConfig:
     """Ratio and truncation against the behaviour policy pi_b (False: the ratio is taken against
     the current policy itself, r = 1 with the gradient of log pi: plain on-policy policy
     gradient that ignores staleness; the ablation of bench/staleness_sweep.py)."""
+    decoupled: bool = False
+    """The decoupled correction (AReaL): clip against the proximal policy (the learner's own at the
+    step's start), weight each token by min(π_prox / π_b, ``tis_cap``) (see :func:`_decoupled_surrogate`)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 = no reference)."""
     entropy_coef: float = 0.0
@@ -153,12 +161,15 @@ def grpo_token_loss(
     if not cfg.off_policy_correction:
         behaviour_logp = logp.detach()
     ratio = torch.exp(torch.clamp(logp - behaviour_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO))
-    clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-    surr = torch.minimum(ratio * adv, clipped * adv)
-    trunc = (adv < 0) & (ratio > cfg.tis_cap)
-    # value tis_cap * A, gradient tis_cap * A * d logp
-    truncated = (cfg.tis_cap / ratio).detach() * ratio * adv
-    surr = torch.where(trunc, truncated, surr)
+    if cfg.decoupled:
+        surr, trunc = _decoupled_surrogate(logp, ratio.detach(), adv, cfg)
+    else:
+        clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+        surr = torch.minimum(ratio * adv, clipped * adv)
+        trunc = (adv < 0) & (ratio > cfg.tis_cap)
+        # value tis_cap * A, gradient tis_cap * A * d logp
+        truncated = (cfg.tis_cap / ratio).detach() * ratio * adv
+        surr = torch.where(trunc, truncated, surr)
     tok = -surr
     kl = None
     if ref_logp is not None and cfg.kl_coef > 0:
@@ -178,6 +189,8 @@ def grpo_token_loss(
         m = mask.bool()
         n = max(1, int(m.sum()))
         is_clipped = ((ratio > 1 + cfg.clip_high) & (adv > 0)) | ((ratio < 1 - cfg.clip_low) & (adv < 0))
+        if cfg.decoupled:  # the clip is against the proximal policy, which the one step never leaves
+            is_clipped = torch.zeros_like(is_clipped)
         stats = {
             "ratio_mean": float(ratio[m].sum()) / n,
             "clip_frac": float((is_clipped & m).sum()) / n,
@@ -185,6 +198,23 @@ def grpo_token_loss(
             "kl": float((kl * mask).sum()) / n if kl is not None else 0.0,
         }
     return loss, stats
+
+
+def _decoupled_surrogate(
+    logp: torch.Tensor, behaviour_ratio: torch.Tensor, adv: torch.Tensor, cfg: GRPOConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled objective (AReaL): the PPO clip against the proximal policy, weighted by the
+    truncated proximal/behaviour ratio. The learner takes one optimizer step per batch, so the
+    proximal policy is its own at this forward pass (``logp`` detached: the clipped ratio is 1,
+    with the gradient of log π), and ``behaviour_ratio`` = π_prox / π_b. The engine's mismatch
+    only scales a token's gradient (capped at ``tis_cap``), never masks it."""
+    import torch
+
+    ratio = torch.exp(logp - logp.detach())
+    clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+    trunc = behaviour_ratio > cfg.tis_cap
+    weight = torch.clamp(behaviour_ratio, max=cfg.tis_cap)
+    return weight * torch.minimum(ratio * adv, clipped * adv), trunc
 
 
 def state_dict_finite(state: dict[str, Any]) -> bool:

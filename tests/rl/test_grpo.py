@@ -54,6 +54,24 @@ def test_without_off_policy_correction_the_behaviour_policy_is_ignored():
     assert stats["clip_frac"] == 0.0 and stats["tis_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
 
 
+def test_the_decoupled_correction_scales_mismatched_tokens_instead_of_masking_them():
+    # weight w = min(pi/pi_b, 2) per token, surrogate w * A, gradient -w * A / 5:
+    #  A=+1 r=1.1 -> w 1.1     A=+1 r=1.5 -> w 1.5 (the PPO clip against pi_b gave it no gradient)
+    #  A=-1 r=3.0 -> w 2 (cap)  A=-1 r=0.5 -> w 0.5 (clipped to no gradient before)   A=-1 r=1 -> w 1
+    cfg = GRPOConfig(clip_low=0.2, clip_high=0.2, tis_cap=2.0, decoupled=True)
+    logp, lb, adv, mask = _inputs()
+    loss, stats = grpo_token_loss(logp, lb, adv, mask, cfg)
+    assert float(loss.detach()) == pytest.approx(-(1.1 + 1.5 - 2.0 - 0.5 - 1.0) / 5, abs=1e-12)
+    loss.backward()
+    expected = torch.tensor([[-1.1, -1.5, 0.0], [2.0, 0.5, 1.0]], dtype=torch.float64) / 5
+    assert torch.allclose(logp.grad, expected, atol=1e-12)
+    assert (
+        stats["clip_frac"] == 0.0
+        and stats["tis_frac"] == pytest.approx(1 / 5)
+        and stats["ratio_mean"] == pytest.approx((1.1 + 1.5 + 3 + 0.5 + 1) / 5)
+    )
+
+
 def test_loss_and_gradient_sequence_norm_by_hand():
     cfg = GRPOConfig(loss_norm="sequence")
     logp, lb, adv, mask = _inputs()
@@ -164,7 +182,7 @@ def test_an_entropy_bonus_is_in_the_loss_and_keeps_the_policy_wider(tiny_model_d
     _, full, pair = two.token_logprobs_entropy(two.model, ids, torch.ones_like(ids))
     q = torch.softmax(two.model(input_ids=ids).logits[:, :-1, [5, 9]].float(), -1)
     assert pair.requires_grad and torch.allclose(pair, -(q * q.log()).sum(-1), atol=1e-6)
-    assert float(pair.max()) <= math.log(2) + 1e-6 < float(full.min())
+    assert float(pair.detach().max()) <= math.log(2) + 1e-6 < float(full.min())
 
     backend = TorchBackend.from_pretrained(tiny_model_dir)
     groups = _groups(backend, 0, lambda i: float(i % 2))
