@@ -46,6 +46,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("entropy", "echorl_learner_entropy", "gauge", "mean per-token entropy (nats) of the policy on the last batch"),
     ("zero_var_group_frac", "echorl_learner_zero_var_group_frac", "gauge", "groups of the last batch with one reward"),
     ("clip_frac", "echorl_learner_clip_frac", "gauge", "completion tokens of the last batch whose ratio was clipped"),
+    (
+        "behaviour_mismatch",
+        "echorl_learner_behaviour_mismatch",
+        "gauge",
+        "mean |log π_learner − log π_behaviour| (nats) over the last batch's completion tokens",
+    ),
     ("busy_fraction", "echorl_learner_busy_fraction", "gauge", "training time / wall time"),
     ("elapsed_s", "echorl_learner_elapsed_seconds", "gauge", "seconds since training started"),
     ("rollouts_accepted", "echorl_rollouts_accepted_total", "counter", "rollout groups accepted into the buffer"),

@@ -445,7 +445,7 @@ class TrainingLoop:
             "zero_var_group_frac": m.get("zero_var_group_frac"),
             "clip_frac": m.get("clip_frac"),
             "tis_frac": m.get("tis_frac"),
-            "logp_abs_diff": m.get("logp_abs_diff"),
+            "behaviour_mismatch": m.get("logp_abs_diff"),
             "staleness_step_max": stale_step_max,
             "staleness_max": int(c["staleness_max"]),
             "staleness_mean": float(c["staleness_mean"]),
