@@ -126,9 +126,10 @@ class TrainingFields(LoraFields, TaskFields, BatchFields):
     publish_every: PublishEvery = 0
     lr: float = Field(5e-4, ge=0.0, le=1.0)
     """AdamW learning rate (0 leaves the weights untouched)"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
     """'cosine': the learning rate falls from lr to lr_min_ratio × lr over the run's steps (a run that
-    has found its policy stops kicking it out); 'constant': lr throughout"""
+    has found its policy stops kicking it out; a run without --steps keeps lr); 'constant': lr
+    throughout. Default by measurement (docs/learning-notes.md §4: the demo's five seeds, poker)"""
     lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """with the cosine schedule, the learning rate at the last step as a fraction of lr"""
     clip: float = Field(0.2, ge=0.0, le=10.0)
