@@ -75,8 +75,6 @@ def environment(state: NodeState, spec: Any) -> Any:
 
     key = repr((spec.env, sorted(spec.options.items())))
     if key not in state.envs:
-        while len(state.envs) >= MAX_ENVIRONMENTS:  # options change over a run (self-play's opponent)
-            state.envs.pop(next(iter(state.envs)))
         if spec.env not in BUILTIN and spec.env not in state.allow_env:
             raise EnvironmentRefused(f"environment {spec.env!r} is neither built in nor allowed (--allow-env)")
         try:
@@ -85,6 +83,8 @@ def environment(state: NodeState, spec: Any) -> Any:
             raise EnvironmentRefused(f"environment {spec.env!r}: {exc}") from None
         if not is_episodic(task):
             raise EnvironmentRefused(f"{spec.env!r} is not an environment")
+        while len(state.envs) >= MAX_ENVIRONMENTS:  # options change over a run (self-play's opponent)
+            state.envs.pop(next(iter(state.envs)))
         state.envs[key] = task
     return state.envs[key]
 
