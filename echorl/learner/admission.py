@@ -67,6 +67,7 @@ class Admission:
         self.leases_late = 0  # results that came back later than the fleet's pace allows
         self.pace = FleetPace(self.book)
         self.asking: dict[str, float] = {}  # address -> when an unproven peer from it last asked for work
+        self.last_unproven_ask = ("", -math.inf)  # the unproven peer that last asked for work, and when
 
     def metrics(self) -> dict[str, int]:
         return {"leases_refused": self.leases_refused, "leases_late": self.leases_late}
@@ -165,12 +166,19 @@ class Admission:
         mine, held, by_address = book.address_of(peer_id), 0, 0
         self.asking = {a: t for a, t in self.asking.items() if now - t < ASKING_WINDOW_S}
         self.asking[mine] = now
+        self.last_unproven_ask = (peer_id, now)
         for r in active:
             if not self.trusted(r.peer_id):
                 held += len(r.prompts)
                 by_address += len(r.prompts) if book.address_of(r.peer_id) == mine else 0
         share = max(prompts_per_lease, budget // len(self.asking))
         return min(budget - held, share - by_address)
+
+    def newcomer_asking(self, now: float) -> bool:
+        """Whether an unproven peer, otherwise ready for work, asked for a lease within
+        ``ASKING_WINDOW_S`` (``FleetPace.reserved`` then keeps it one lease of room)."""
+        peer_id, at = self.last_unproven_ask
+        return now - at < ASKING_WINDOW_S and not self.trusted(peer_id)
 
     def measured(self, peer_id: str) -> bool:
         return self.load(peer_id).groups_per_s > 0

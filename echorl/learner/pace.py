@@ -25,7 +25,12 @@ and win every freed slot by polling. So:
   no lease (it just answered and is about to ask): a freed slot goes to the fastest, not to
   whoever polls most. Once an unproven peer holds a lease, other unproven askers see every
   proven peer's remaining leases kept (up to ``max_leases_per_peer``): a crowd of fresh
-  identities fills only what the proven nodes leave, yet one newcomer at a time can prove itself.
+  identities fills only what the proven nodes leave, yet one newcomer at a time can prove itself:
+  while no unproven peer holds a lease, an unproven asker sees no room kept and a proven asker
+  sees one more lease kept for the newcomer that asked last, so proven nodes that fill the whole
+  budget cannot keep a late joiner out for ever (the namespace lab's public node, joined after two
+  NAT'd nodes had proven themselves, got no lease in 60 steps at S = 2). A crowd gains nothing by
+  it: it holds one lease at a time, as before.
 - **Size**: a peer slower than the reference is leased what it can finish in ``SIZE_SLACK`` × the
   reference's time for the full lease (at least one prompt): a peer within that factor of the
   fleet's pace gets full leases, a much slower one (a slow-walker) small ones.
@@ -110,7 +115,13 @@ class FleetPace:
         return max(1, min(n_prompts, int(SIZE_SLACK * n_prompts * own / ref)))
 
     def reserved(
-        self, peer_id: str, prompts_per_lease: int, now: float, held: Mapping[str, int], max_leases: int = 1
+        self,
+        peer_id: str,
+        prompts_per_lease: int,
+        now: float,
+        held: Mapping[str, int],
+        max_leases: int = 1,
+        newcomer_asking: bool = False,
     ) -> int:
         """Prompts of room kept for the live proven peers that return work faster than
         ``peer_id`` and are not backed off (``held``: open leases by holder): one lease each for
@@ -119,12 +130,16 @@ class FleetPace:
         proven peer's remaining wants are kept (``max_leases`` each, less what it holds): unproven
         identities may then fill only what proven nodes leave, so a crowd of them cannot take the
         second lease of every honest node; with no unproven lease out, one lease of room stays
-        open to them, so a newcomer can still prove itself (see the module docstring)."""
+        open to them, so a newcomer can still prove itself, and is kept from a proven asker while
+        ``newcomer_asking`` (an unproven peer asked for work recently; see the module docstring)."""
         own = self._load(peer_id)
         proven = own.on_time_in_row >= PROVEN_LEASES
         mine = own.recent_per_s if proven else 0.0  # unproven: ranks last
-        crowd = not proven and any(self._unproven(holder) for holder, n in held.items() if n > 0)
-        leases = 0
+        unproven_out = any(self._unproven(holder) for holder, n in held.items() if n > 0)
+        if not proven and not unproven_out:
+            return 0  # a lone newcomer: its one lease goes ahead of the proven peers
+        crowd = not proven
+        leases = int(newcomer_asking and not unproven_out)
         for p in self.book.active(now=now):
             load = self.book.loads.get(p.peer_id)
             if p.peer_id == peer_id or load is None:

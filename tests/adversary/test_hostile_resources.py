@@ -386,3 +386,40 @@ def test_a_member_flooding_bad_signatures_is_struck_off(tiny) -> None:  # noqa: 
             assert not svc.leases.active  # its lease went back to the queue
 
     trio.run(main)
+
+
+def test_a_late_joiner_gets_a_lease_while_proven_peers_fill_the_budget(tiny) -> None:  # noqa: F811
+    """Two proven peers that hold the whole in-flight budget and ask again the moment a lease
+    settles would keep a newcomer out for ever (the namespace lab's public node joined after two
+    NAT'd nodes: no lease in 60 steps). While the newcomer is asking and no unproven peer holds a
+    lease, the freed lease is kept from the proven askers and the newcomer gets it; once it holds
+    one, the proven peers get the rest again."""
+
+    async def main() -> None:
+        svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=4, prompts_per_lease=2, staleness=1)
+        svc.note_published(0)
+        req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+        proven = [Identity.generate() for _ in range(2)]
+        ctxs = [_join(svc, p) for p in proven]
+        for p in proven:
+            for _ in range(3):
+                svc.admission.on_result(p.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
+        while True:  # the proven peers take everything there is
+            replies = [await svc.on_lease(req, c) for c in ctxs]
+            if not any(isinstance(r, Lease) for r in replies):
+                break
+        newcomer = _join(svc, Identity.generate())
+        assert isinstance(await svc.on_lease(req, newcomer), LeaseDeferred)  # the budget is full
+        freed = svc.leases.held_by(proven[0].peer_id)[0]
+        svc.leases.settle(freed.lease_id, "accepted")
+        svc.buffer.requeue(freed.prompts)
+        reply = await svc.on_lease(req, ctxs[0])  # the proven peer asks first, as it does
+        assert isinstance(reply, LeaseDeferred) and reply.reason == "paced"
+        assert isinstance(await svc.on_lease(req, newcomer), Lease)  # the newcomer proves itself
+        freed = svc.leases.held_by(proven[1].peer_id)[0]
+        svc.leases.settle(freed.lease_id, "accepted")
+        svc.buffer.requeue(freed.prompts)
+        replies = [await svc.on_lease(req, c) for c in ctxs]  # one newcomer lease at a time:
+        assert sum(isinstance(r, Lease) for r in replies) == 1  # the freed one goes to a proven peer
+
+    trio.run(main)
