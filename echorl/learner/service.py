@@ -299,10 +299,8 @@ class LearnerService:
         if not self.admission.holds(msg.version, self.published):  # e.g. published before a resume:
             return self._deferred("weights_too_old", want_version=self.published)  # never acceptable
         room = rule.room(self.version, msg.version, len(self.buffer) + self.leases.outstanding_prompts())
-        newcomer = self.admission.newcomer_asking(now)
-        room -= self.admission.pace.reserved(
-            ctx.peer_id, s.prompts_per_lease, now, held, s.max_leases_per_peer, newcomer
-        )
+        newcomer, pace = self.admission.newcomer_asking(now), self.admission.pace
+        room -= pace.reserved(ctx.peer_id, s.prompts_per_lease, now, held, s.max_leases_per_peer, newcomer)
         n = min(msg.max_prompts, s.prompts_per_lease, room)
         if not self.admission.trusted(ctx.peer_id):
             active = self.leases.active.values()
