@@ -202,14 +202,17 @@ async def unpublished_versions(t: Target, seen: Counter) -> None:
     await fabricated(t, seen, (4,), version_ahead=1)
 
 
-async def ask_lease(host: Any, t: Target, version: list[int], max_prompts: int) -> Any:
+async def ask_lease(host: Any, t: Target, version: list[int], max_prompts: int, obey: bool = False) -> Any:
     """One LEASE request at ``version[0]`` (the version the learner last asked for: a deferral
-    updates it): the deferral's reason, or the reply itself."""
+    updates it): the deferral's reason, or the reply itself. ``obey``: after a deferral, sleep
+    its ``retry_after_s`` (asking earlier is refused, and repeated, struck off)."""
     reply = await host.request(
         t.learner, routes.LEASE, LeaseRequest(run_id=RUN, version=version[0], max_prompts=max_prompts)
     )
     if isinstance(reply, LeaseDeferred):
         version[0] = reply.want_version if reply.want_version >= 0 else version[0]
+        if obey:
+            await trio.sleep(reply.retry_after_s)
         return reply.reason
     return reply
 
@@ -400,7 +403,8 @@ async def slow_walker(t: Target, seen: Counter, identities: int, addresses: list
     """``identities`` joined identities on each of ``addresses`` (``None``: this process's own
     address, shared with the honest nodes); each answers its first lease at once (so the learner
     measures it fast), then holds every later one (two at a time) until just before its deadline
-    and answers it; it polls for leases 25 times a second."""
+    and answers it; it polls for leases 25 times a second, or as often as a deferral's
+    ``retry_after_s`` lets it (the fastest that is not refused and struck off)."""
 
     async def one(ip: str | None) -> None:
         async with joined(t, ip=ip) as (host, me), trio.open_nursery() as nursery:
@@ -420,7 +424,7 @@ async def slow_walker(t: Target, seen: Counter, identities: int, addresses: list
             version = [2**40]
 
             async def ask() -> str:
-                reply = await ask_lease(host, t, version, max_prompts=8)
+                reply = await ask_lease(host, t, version, max_prompts=8, obey=True)
                 if isinstance(reply, str):
                     return reply
                 assert isinstance(reply, Lease)

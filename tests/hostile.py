@@ -89,7 +89,7 @@ async def newest_lease(host: Any, learner: str, tries: int = 400, run_id: str = 
             return reply, version
         if reply.want_version >= 0:
             version = reply.want_version
-        await trio.sleep(max(0.05, min(reply.retry_after_s, 1.0)))
+        await trio.sleep(max(0.05, reply.retry_after_s))  # asking earlier is refused (rate_limited)
     raise TimeoutError("no lease")
 
 

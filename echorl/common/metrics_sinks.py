@@ -94,6 +94,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "joins refused (peer_limit): the address already holds max_peers_per_ip members",
     ),
     (
+        "pings_excused",
+        "echorl_pings_excused_total",
+        "counter",
+        "liveness pings that timed out while the learner's own loop ran late: the peer is not marked dead",
+    ),
+    (
         "members_displaced",
         "echorl_members_displaced_total",
         "counter",

@@ -17,7 +17,9 @@ handlers) over components that each own one thing:
 - ``roster.py``: ``Roster`` (per-IP join slots, broadcast plans, idle members);
 - ``activation.py``: ``Activator`` and ``choose_active`` (cost-aware choice of active nodes);
 - ``membership.py``: ``Members``, ``RunEnd`` (one live process per key, dial-back, the run's end);
-- ``ledger.py``: ``Ledger`` (signed receipts, rejections by reason, cost).
+- ``ledger.py``: ``Ledger`` (signed receipts, rejections by reason, cost);
+- ``liveness.py``: ``Liveness`` (pings quiet members; one that does not answer is lost) and
+  ``LoopLag`` (how late the trio loop runs: a ping timed out while it was late is excused).
 
 Beside the service: ``train.py`` (``NetworkSource``: the loop's rollout source; ``Provisioning``:
 the required throughput of architecture §7), ``publish.py`` (``Publisher``: broadcasting a version

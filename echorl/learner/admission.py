@@ -46,6 +46,16 @@ ASKING_WINDOW_S = 10.0
 work this recently: many retries of a deferred peer (``retry_after_s`` ≤ 0.5 s) apart, so a
 newcomer waiting for room keeps its address's share, and an identity that stopped asking (idle,
 backed off) soon gives its share back."""
+UNPROVEN_RETRY_S = 0.5
+"""``retry_after_s`` of a ``paced`` deferral to an unproven peer: room for one comes only when a
+lease settles, so asking 20 times a second buys it nothing, and a crowd of identities polling
+costs the learner's loop (issue 24: 32 slow-walkers asked ~250 times a second)."""
+PROVEN_RETRY_S = 0.05
+"""``retry_after_s`` of a ``paced`` deferral to a proven peer: it is kept room and should take it
+soon after it frees."""
+EARLY_SLACK_S = 0.02
+"""A lease request this much before the ``retry_after_s`` the peer was given is early: an honest
+node sleeps the whole of it after the reply arrives, so its next request comes later still."""
 
 
 class Admission:
@@ -143,6 +153,44 @@ class Admission:
             return load.backoff_until - now
         cap = self.policy.max_leases_per_peer if self.trusted(peer_id) else 1
         return 0.0 if held < max(1, cap) else 0.5
+
+    def lease_prompts(
+        self,
+        peer_id: str,
+        wanted: int,
+        room: int,
+        held: Mapping[str, int],
+        active: Iterable[LeaseRecord],
+        in_flight_cap: int,
+        per_lease: int,
+        now: float,
+    ) -> int:
+        """Prompts ``peer_id`` may be leased now (≤ 0: none): at most ``wanted``, within the
+        in-flight budget's ``room`` less what the fleet's pace keeps for others
+        (``FleetPace.reserved``), and for an unproven peer within its share of the unproven half
+        (``unmeasured_room``). ``held``: open leases by holder; ``active``: the lease records;
+        ``per_lease``: the run's prompts per lease."""
+        max_leases = self.policy.max_leases_per_peer
+        room -= self.pace.reserved(peer_id, per_lease, now, held, max_leases, self.newcomer_asking(now))
+        n = min(wanted, room)
+        if not self.trusted(peer_id):
+            n = min(n, self.unmeasured_room(peer_id, in_flight_cap, per_lease, active, now))
+        return n
+
+    def retry_s(self, peer_id: str) -> float:
+        """``retry_after_s`` for a ``paced`` peer: short for a proven one, long for an unproven one."""
+        return PROVEN_RETRY_S if self.trusted(peer_id) else UNPROVEN_RETRY_S
+
+    def told_to_wait(self, peer_id: str, retry_after_s: float, now: float) -> None:
+        """The peer was told not to ask for a lease for ``retry_after_s``."""
+        self.load(peer_id).not_before = now + retry_after_s
+
+    def asked_early(self, peer_id: str, now: float) -> float:
+        """Seconds early this lease request came, by the last ``retry_after_s`` the peer was
+        given (0: not early)."""
+        load = self.book.loads.get(peer_id)
+        early = 0.0 if load is None else load.not_before - now
+        return early if early > EARLY_SLACK_S else 0.0
 
     def unmeasured_room(
         self,

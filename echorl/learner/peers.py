@@ -214,6 +214,7 @@ class PeerLoad:
     recent_s_per_group: float = 0.0  # moving average over its answered leases (0: none yet)
     on_time_in_row: int = 0  # leases in a row answered in time (learner/pace.py: proven peers)
     worked_at: float = 0.0  # when its last lease was answered in time (0: never; learner/roster.py)
+    not_before: float = 0.0  # the end of the last retry_after_s it was given (learner/admission.py)
 
     @property
     def groups_per_s(self) -> float:

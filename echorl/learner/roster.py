@@ -32,12 +32,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from echorl.learner.config import RosterFields
 from echorl.learner.pace import PROVEN_LEASES
 from echorl.learner.peers import PeerBook, PeerRecord
 from echorl.net.guard import ip_key
 from echorl.protocol.errors import ErrorCode, ProtocolError
+
+if TYPE_CHECKING:
+    from echorl.broadcast.broadcaster import NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +142,20 @@ class Roster:
         for p in take:
             p.offered_a_plan()
         return workers[: pol.plan_max_members] + take
+
+    def broadcast_nodes(self, live: list[PeerRecord]) -> list[NodeInfo]:
+        """The nodes a version is broadcast to: the ``plan`` of the ``live`` members (alive, heard
+        from recently). Once some node has worked, newcomers are leaves: an identity that never
+        worked relays nothing to others."""
+        from echorl.broadcast.broadcaster import NodeInfo
+
+        chosen = self.plan(live)
+        leaves = any(p.is_worker for p in chosen)
+        cap = [p.capability for p in chosen]
+        return [
+            NodeInfo(p.peer_id, bool(c.reachable), tuple(c.listen_addrs), leaves and not p.is_worker)
+            for p, c in zip(chosen, cap, strict=True)
+        ]
 
     # --- idle members ---------------------------------------------------------------------------
     def idle(self, busy: Iterable[str] = (), now: float | None = None) -> list[str]:

@@ -35,12 +35,13 @@ from echorl.learner.checks import STALE, Submission, SubmitChecks
 from echorl.learner.config import ServiceFields
 from echorl.learner.leases import LeaseBook, LeaseRecord
 from echorl.learner.ledger import Ledger, carries_signal, count_tokens
+from echorl.learner.liveness import Liveness
 from echorl.learner.membership import Members
 from echorl.learner.peers import ACTIVE_WINDOW_S, PeerBook, PeerRecord
 from echorl.learner.policing import Police
 from echorl.learner.resume import decode_service_state, encode_service_state
 from echorl.learner.roster import Roster
-from echorl.net.host import Host, PeerUnavailable, RequestContext
+from echorl.net.host import Host, RequestContext
 from echorl.protocol import limits, routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity, short_id
@@ -119,6 +120,7 @@ class LearnerService:
         self.leases = LeaseBook()
         self.admission = Admission(self.peers, settings, held_versions=self.rule.held_versions())
         self.roster = Roster(self.peers, settings)
+        self.liveness = Liveness(self.peers, settings, self._lost)
         self.activator = Activator(self.peers, settings, required)
         self.members = Members(identity, run_id)
         self.ledger = Ledger(
@@ -158,6 +160,7 @@ class LearnerService:
             **self.submissions,
             **self.admission.metrics(),
             **self.police.counters,
+            **self.liveness.counters,
         }
 
     def note_published(self, version: int, weights_bytes: int = 0) -> None:
@@ -279,16 +282,19 @@ class LearnerService:
         self.police.check_not_banned(ctx.peer_id)
         s, rule, now = self.settings, self.rule, time.monotonic()
         self.admission.pace.note_version(self.version, now)
+        if early := self.admission.asked_early(ctx.peer_id, now):
+            await self._strike_if_repeated(ctx.peer_id, "lease requests before their retry_after_s")
+            raise ProtocolError(ErrorCode.RATE_LIMITED, f"asked {early:.2f} s before the retry_after_s it was given")
         held = self.leases.held_per_peer()
         wait = self.admission.lease_wait(ctx.peer_id, held.get(ctx.peer_id, 0))
         if wait > 0:
-            return self._deferred("paced", retry_after_s=min(wait, 3600.0))
+            return self._wait(ctx.peer_id, "paced", min(wait, 3600.0), now)
         if self.admission.address_full(peer.ip_key, held):
-            return self._deferred("paced", retry_after_s=0.5)
+            return self._wait(ctx.peer_id, "paced", 0.5, now)
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
         if self.activator.is_standby(ctx.peer_id):
-            return self._deferred("standby", retry_after_s=s.activation_interval_s)
+            return self._wait(ctx.peer_id, "standby", s.activation_interval_s, now)
         if msg.incarnation not in (None, self.incarnation):  # weights of a branch this learner abandoned
             return self._deferred("weights_unknown", want_version=self.published)
         min_version = rule.min_version(self.version, self.published)
@@ -299,14 +305,11 @@ class LearnerService:
         if not self.admission.holds(msg.version, self.published):  # e.g. published before a resume:
             return self._deferred("weights_too_old", want_version=self.published)  # never acceptable
         room = rule.room(self.version, msg.version, len(self.buffer) + self.leases.outstanding_prompts())
-        newcomer, pace = self.admission.newcomer_asking(now), self.admission.pace
-        room -= pace.reserved(ctx.peer_id, s.prompts_per_lease, now, held, s.max_leases_per_peer, newcomer)
-        n = min(msg.max_prompts, s.prompts_per_lease, room)
-        if not self.admission.trusted(ctx.peer_id):
-            active = self.leases.active.values()
-            n = min(n, self.admission.unmeasured_room(ctx.peer_id, rule.in_flight_cap, s.prompts_per_lease, active))
+        active = self.leases.active.values()
+        wanted, per_lease = min(msg.max_prompts, s.prompts_per_lease), s.prompts_per_lease
+        n = self.admission.lease_prompts(ctx.peer_id, wanted, room, held, active, rule.in_flight_cap, per_lease, now)
         if n <= 0:
-            return self._deferred("paced", retry_after_s=0.05)
+            return self._wait(ctx.peer_id, "paced", self.admission.retry_s(ctx.peer_id), now)
         prompts = self.buffer.next_prompts(self.task, self.admission.pace.sized(ctx.peer_id, n))
         timeout_s = self.admission.deadline(
             ctx.peer_id,
@@ -331,6 +334,10 @@ class LearnerService:
             deadline_s=timeout_s,
             sampling_seed=rec.sampling_seed,
         )
+
+    def _wait(self, peer_id: str, reason: DeferReason, retry_after_s: float, now: float) -> LeaseDeferred:
+        self.admission.told_to_wait(peer_id, retry_after_s, now)  # asking before then is refused
+        return self._deferred(reason, retry_after_s=retry_after_s)
 
     def _deferred(self, reason: DeferReason, want_version: int = -1, retry_after_s: float = 0.0) -> LeaseDeferred:
         return LeaseDeferred(run_id=self.run_id, reason=reason, want_version=want_version, retry_after_s=retry_after_s)
@@ -373,13 +380,17 @@ class LearnerService:
         the identity is struck off: forgotten, disconnected, its streams reset for ``ban_s``)."""
         if code == ErrorCode.STALE_VERSION and sub.lease is not None:
             self.admission.on_expired(sub.peer_id)
-        elif code in (ErrorCode.BAD_SIGNATURE, ErrorCode.WRONG_SIGNER) and (host := self.host) is not None:
-            if not host.strikes.refuse(sub.peer_id, trio.current_time()):
-                return
-            log.warning("%s: repeated bad signatures: struck off", short_id(sub.peer_id))
-            self._requeue(self.leases.expire_peer(sub.peer_id))
-            self.peers.forget(sub.peer_id)
-            await host.disconnect(sub.peer_id)
+        elif code in (ErrorCode.BAD_SIGNATURE, ErrorCode.WRONG_SIGNER):
+            await self._strike_if_repeated(sub.peer_id, "bad signatures")
+
+    async def _strike_if_repeated(self, peer_id: str, what: str) -> None:
+        """One refusal; past the host's strike limit the identity is struck off (see above)."""
+        if (host := self.host) is None or not host.strikes.refuse(peer_id, trio.current_time()):
+            return
+        log.warning("%s: repeated %s: struck off", short_id(peer_id), what)
+        self._requeue(self.leases.expire_peer(peer_id))
+        self.peers.forget(peer_id)
+        await host.disconnect(peer_id)
 
     def _batch_room(self, peer_id: str) -> int:
         return self.admission.batch_room(peer_id, self.buffer.buffered_ids, self.settings.prompts_per_step)
@@ -449,29 +460,21 @@ class LearnerService:
         return self.peers.active(window_s)
 
     def broadcast_nodes(self, window_s: float = 60.0) -> list[NodeInfo]:
-        """The joined nodes a version is broadcast to: alive, heard from recently and chosen by
-        the roster (workers and a few newcomers, ``learner/roster.py``). Once some node has
-        worked, newcomers are leaves: an identity that never worked relays nothing to others."""
-        from echorl.broadcast.broadcaster import NodeInfo
-
-        chosen = self.roster.plan(self.peers.active(window_s))
-        any_worker = any(p.is_worker for p in chosen)
-        return [
-            NodeInfo(
-                p.peer_id,
-                bool(p.capability.reachable),
-                tuple(p.capability.listen_addrs),
-                leaf=any_worker and not p.is_worker,
-            )
-            for p in chosen
-        ]
+        """The joined nodes a version is broadcast to (``Roster.broadcast_nodes``)."""
+        return self.roster.broadcast_nodes(self.peers.active(window_s))
 
     # --- maintenance --------------------------------------------------------------------------
     async def maintain(self, interval_s: float = 0.5) -> None:
         """Forever: expire overdue leases; ping every live peer not heard from lately and, if it
         does not answer, expire its leases at once and drop it from broadcast plans (a SIGKILLed
         or frozen node is noticed in seconds, not at the lease deadline);
-        with cost-aware activation, re-decide the active set every ``activation_interval_s``."""
+        with cost-aware activation, re-decide the active set every ``activation_interval_s``.
+        a ping that timed out while this loop ran late is excused (``learner/liveness.py``)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.liveness.lag.run)
+            await self._maintain(interval_s)
+
+    async def _maintain(self, interval_s: float) -> None:
         while True:
             self.admission.pace.note_version(self.version, time.monotonic())
             if self.activator.due(time.monotonic()):
@@ -482,13 +485,8 @@ class LearnerService:
                 self.admission.on_expired(rec.peer_id)
             self._drop_idle()
             await self._close_refused()
-            now = time.monotonic()
-            after = self.settings.liveness_after_s
-            quiet = [p.peer_id for p in self.peers.values() if p.alive and now - p.last_seen > after]
-            if quiet and self.host is not None:
-                async with trio.open_nursery() as nursery:
-                    for pid in quiet:
-                        nursery.start_soon(self._probe, pid)
+            if self.host is not None:
+                await self.liveness.sweep(self.host, time.monotonic())
             await trio.sleep(interval_s)
 
     def _drop_idle(self) -> None:
@@ -506,15 +504,10 @@ class LearnerService:
                     if pid not in self.peers:
                         nursery.start_soon(self.host.disconnect, pid)
 
-    async def _probe(self, peer_id: str) -> None:
-        assert self.host is not None
-        try:
-            await self.host.ping(peer_id, timeout=self.settings.ping_timeout_s)
-            self.peers.heard(peer_id)
-        except PeerUnavailable as exc:
-            gone = self.leases.expire_peer(peer_id)
-            self._requeue(gone)
-            if not self.peers.mark_dead(peer_id):
-                return
-            log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), exc, len(gone))
+    def _lost(self, peer_id: str, why: str) -> None:
+        """A member that did not answer its ping: its leases expire at once, it leaves plans."""
+        gone = self.leases.expire_peer(peer_id)
+        self._requeue(gone)
+        if self.peers.mark_dead(peer_id):
+            log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), why, len(gone))
             self.activator.lost(peer_id)

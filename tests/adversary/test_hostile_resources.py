@@ -44,10 +44,12 @@ def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa
             for rec in svc.leases.expire_due(time.monotonic()):
                 svc.buffer.requeue(rec.prompts)
                 svc.admission.on_expired(rec.peer_id)
+            svc.admission.told_to_wait(hoarder.peer_id, 0.0, 0.0)  # the test steps time by hand
             if round_ + 1 < svc.admission.policy.refuse_after_expiries:
                 reply = await svc.on_lease(req, hctx)
                 assert isinstance(reply, LeaseDeferred) and reply.retry_after_s >= 2.0 * 2**round_ - 0.1
                 svc.admission.load(hoarder.peer_id).backoff_until = 0.0  # the back-off passed
+                svc.admission.told_to_wait(hoarder.peer_id, 0.0, 0.0)  # and the retry_after it was told
                 assert isinstance(await svc.on_lease(req, hctx), Lease)
         with pytest.raises(ProtocolError) as err:
             await svc.on_lease(req, hctx)
@@ -399,27 +401,75 @@ def test_a_late_joiner_gets_a_lease_while_proven_peers_fill_the_budget(tiny) -> 
         svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=4, prompts_per_lease=2, staleness=1)
         svc.note_published(0)
         req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+
+        async def ask(ctx: RequestContext) -> Lease | LeaseDeferred:
+            svc.admission.told_to_wait(ctx.peer_id, 0.0, 0.0)  # the test steps time by hand
+            return await svc.on_lease(req, ctx)
+
         proven = [Identity.generate() for _ in range(2)]
         ctxs = [_join(svc, p) for p in proven]
         for p in proven:
             for _ in range(3):
                 svc.admission.on_result(p.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
         while True:  # the proven peers take everything there is
-            replies = [await svc.on_lease(req, c) for c in ctxs]
+            replies = [await ask(c) for c in ctxs]
             if not any(isinstance(r, Lease) for r in replies):
                 break
         newcomer = _join(svc, Identity.generate())
-        assert isinstance(await svc.on_lease(req, newcomer), LeaseDeferred)  # the budget is full
+        assert isinstance(await ask(newcomer), LeaseDeferred)  # the budget is full
         freed = svc.leases.held_by(proven[0].peer_id)[0]
         svc.leases.settle(freed.lease_id, "accepted")
         svc.buffer.requeue(freed.prompts)
-        reply = await svc.on_lease(req, ctxs[0])  # the proven peer asks first, as it does
+        reply = await ask(ctxs[0])  # the proven peer asks first, as it does
         assert isinstance(reply, LeaseDeferred) and reply.reason == "paced"
-        assert isinstance(await svc.on_lease(req, newcomer), Lease)  # the newcomer proves itself
+        assert isinstance(await ask(newcomer), Lease)  # the newcomer proves itself
         freed = svc.leases.held_by(proven[1].peer_id)[0]
         svc.leases.settle(freed.lease_id, "accepted")
         svc.buffer.requeue(freed.prompts)
-        replies = [await svc.on_lease(req, c) for c in ctxs]  # one newcomer lease at a time:
+        replies = [await ask(c) for c in ctxs]  # one newcomer lease at a time:
         assert sum(isinstance(r, Lease) for r in replies) == 1  # the freed one goes to a proven peer
+
+    trio.run(main)
+
+
+def test_a_member_polling_before_its_retry_after_is_refused_then_struck_off(tiny) -> None:  # noqa: F811
+    """Issue 24, slow-walkers: 32 identities polling LEASE 25 times a second held the learner's
+    loop at ~0.9 of a core. A deferral now says when to ask again (0.5 s for an unproven peer);
+    a request before then is refused ``rate_limited`` without a lease decision, counts toward
+    the host's strike limit, and past it the identity is forgotten, disconnected, its lease
+    re-queued. A peer that waits as told gets its answer."""
+    from echorl.net.host import RemoteError
+
+    async def main() -> None:
+        svc = _service(tiny, prompts_per_step=8)
+        svc.note_published(0)
+        me, polite = Identity.generate(), Identity.generate()
+        async with open_host(svc.identity) as host, open_host(me) as hostile, open_host(polite) as good:
+            svc.install(host)
+            learner = await hostile.connect(host.addrs[0])
+            await good.connect(host.addrs[0])
+            ctx, gctx = _join(svc, me), _join(svc, polite)
+            req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+            assert isinstance(await svc.on_lease(req, ctx), Lease)
+            assert isinstance(await svc.on_lease(req, gctx), Lease)
+            deferred = await svc.on_lease(req, gctx)  # unproven: one lease at a time
+            assert isinstance(deferred, LeaseDeferred) and deferred.retry_after_s == 0.5
+            codes: list[str] = []
+            for _ in range(host.strikes.limit + 4):
+                try:
+                    reply = await hostile.request(learner, routes.LEASE, req, timeout=5.0)
+                    codes.append(type(reply).__name__)
+                except RemoteError as exc:
+                    codes.append(exc.code.value)
+                except Exception:  # reset, disconnected, or refused at the connection
+                    codes.append("cut")
+            n = host.strikes.limit - 1
+            assert codes[0] == "LeaseDeferred", codes  # the first ask is answered, with a retry_after
+            assert codes[1:n] == ["rate_limited"] * (n - 1) and set(codes[n + 1 :]) == {"cut"}, codes
+            assert host.strikes.struck == 1 and me.peer_id not in svc.peers
+            assert not svc.leases.held_by(me.peer_id)  # its lease went back to the queue
+            await trio.sleep(deferred.retry_after_s)
+            again = await svc.on_lease(req, gctx)  # waited as told: a deferral, not a refusal
+            assert isinstance(again, LeaseDeferred) and again.reason == "paced"
 
     trio.run(main)

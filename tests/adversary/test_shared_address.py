@@ -39,6 +39,7 @@ def _ctx(me: Identity) -> RequestContext:
 
 
 async def _ask(svc: LearnerService, me: Identity) -> Lease | LeaseDeferred:
+    svc.admission.told_to_wait(me.peer_id, 0.0, 0.0)  # the test steps time by hand: any retry_after passed
     reply = await svc.on_lease(LeaseRequest(run_id=RUN, version=svc.published, max_prompts=2), _ctx(me))
     assert isinstance(reply, (Lease, LeaseDeferred)), reply
     return reply

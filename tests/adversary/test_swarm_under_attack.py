@@ -44,6 +44,7 @@ async def attack(addr: str) -> dict:
         lease, v = await newest_lease(host, learner)
         hoard = await host.request(learner, routes.LEASE, LeaseRequest(run_id="echorl-demo", version=0, max_prompts=2))
         out["second_lease"] = getattr(hoard, "reason", type(hoard).__name__)
+        await trio.sleep(getattr(hoard, "retry_after_s", 0.0))  # asking again earlier is refused
         poison = nonfinite_logprob_body(signed_submit(me, lease, v, token_ids=(4,), logprobs=(-1.0,)))
         out["logprob_-1e300"] = await raw_request(host, learner, routes.SUBMIT, framed(poison), 10)
         st = (await host.request(learner, routes.STATUS, StatusRequest(), expect=Status)).learner

@@ -79,7 +79,7 @@ async def _lease(host, learner: str, version: int) -> Lease:
         # "paced", or the version is trained but its publication has not begun (the learner
         # publishes one version at a time): it names the newest it published
         assert reply.reason == "paced" or (reply.reason == "weights_unknown" and reply.want_version < version), reply
-        await trio.sleep(0.05)
+        await trio.sleep(max(0.05, reply.retry_after_s))  # asking earlier is refused (rate_limited)
     raise AssertionError("no lease")
 
 

@@ -126,6 +126,7 @@ def _service(mode: str) -> LearnerService:
 
 async def _ask(svc: LearnerService, pid: str) -> object:
     req = LeaseRequest(run_id="run-1", version=0, max_prompts=4)
+    svc.admission.told_to_wait(pid, 0.0, 0.0)  # the test steps time by hand: any retry_after has passed
     reply = await svc.on_lease(req, RequestContext(pid, "lease", time.monotonic()))
     wire.encode(reply)  # a valid wire message
     return reply

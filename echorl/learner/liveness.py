@@ -1,0 +1,107 @@
+"""Which members still answer: the learner pings every live member not heard from lately, and one
+that does not answer is lost (its leases expire at once, it leaves broadcast plans) — unless the
+learner's own loop was too late to read the answer (``LoopLag``).
+
+At 1,000 peers on 2 shared cores (issue 27) the learner's loop ran seconds late: liveness pings
+timed out on the learner's side, it marked the peers dead and expired their leases, and the
+re-queued work came back as more load — a collapse, not a slowdown. ``LoopLag`` keeps a task
+sleeping ``TICK_S`` at a time and records how much later than that it woke; the service asks
+``worst_since(t)`` when a ping started at ``t`` timed out, and a timeout during which the loop
+was ``EXCUSE_FRACTION`` of the ping's timeout late is the learner's, not the peer's: the peer stays
+alive and is pinged again (``pings_excused``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from echorl.learner.peers import PeerBook
+from echorl.protocol.identity import short_id
+
+if TYPE_CHECKING:
+    from echorl.learner.config import ServiceFields
+    from echorl.net.host import Host
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+"""The sampler's sleep: the loop's lateness is measured at this resolution, at ~10 wake-ups a
+second (nothing next to a learner's request load)."""
+KEEP_S = 60.0
+"""How long lateness samples are kept: longer than any ping timeout worth excusing."""
+EXCUSE_FRACTION = 0.25
+"""A ping timeout is the learner's when its loop ran this fraction of the timeout late while the
+ping was out: the answer may have been there, unread (a loaded but healthy loop is late by
+milliseconds; a quarter of a 3 s timeout is a loop that cannot keep up)."""
+
+
+class LoopLag:
+    """Samples of how late the trio loop woke a sleeping task: ``run`` in a nursery, read with
+    ``worst_since``."""
+
+    def __init__(self) -> None:
+        self._late: deque[tuple[float, float]] = deque()  # (when woken, seconds late), oldest first
+        self._tick_from = -1.0  # when the sleep in progress began (-1: none)
+
+    async def run(self) -> None:
+        """Forever: sleep ``TICK_S``, note how late the wake-up came."""
+        while True:
+            self._tick_from = trio.current_time()
+            await trio.sleep(TICK_S)
+            now = trio.current_time()
+            self.note(now, now - self._tick_from - TICK_S)
+
+    def note(self, now: float, late_s: float) -> None:
+        self._late.append((now, max(0.0, late_s)))
+        while self._late and now - self._late[0][0] > KEEP_S:
+            self._late.popleft()
+
+    def worst_since(self, since: float, now: float | None = None) -> float:
+        """The most the loop was late since ``since`` (trio clock), counting the sleep in progress
+        if it is overdue (the sampler may not have run yet after a stall)."""
+        now = trio.current_time() if now is None else now
+        worst = max((late for at, late in self._late if at >= since), default=0.0)
+        if self._tick_from >= 0:
+            worst = max(worst, now - self._tick_from - TICK_S)
+        return worst
+
+    def excuses(self, since: float, timeout_s: float, now: float | None = None) -> bool:
+        """Whether a wait of ``timeout_s`` begun at ``since`` that ran out is the loop's fault."""
+        return self.worst_since(since, now) >= EXCUSE_FRACTION * timeout_s
+
+
+class Liveness:
+    """Pings the quiet live members of ``book`` (``liveness_after_s`` without a word, each ping
+    ``ping_timeout_s``); ``lost(peer_id, why)`` is called for one that did not answer."""
+
+    def __init__(self, book: PeerBook, settings: ServiceFields, lost: Callable[[str, str], None]) -> None:
+        self.book, self.settings, self.lost = book, settings, lost
+        self.lag = LoopLag()
+        self.counters = {"pings_excused": 0}  # pings that timed out while the loop ran late
+
+    async def sweep(self, host: Host, now: float) -> None:
+        """Ping every quiet live member at once; returns when each answered, failed or timed out."""
+        after = self.settings.liveness_after_s
+        quiet = [p.peer_id for p in self.book.values() if p.alive and now - p.last_seen > after]
+        async with trio.open_nursery() as nursery:
+            for pid in quiet:
+                nursery.start_soon(self._probe, host, pid)
+
+    async def _probe(self, host: Host, peer_id: str) -> None:
+        from echorl.net.host import PeerUnavailable
+
+        timeout_s, since = self.settings.ping_timeout_s, trio.current_time()
+        try:
+            await host.ping(peer_id, timeout=timeout_s)
+            self.book.heard(peer_id)
+        except PeerUnavailable as exc:
+            if self.lag.excuses(since, timeout_s):  # the learner was late, not the peer
+                self.counters["pings_excused"] += 1
+                log.debug("ping of %s timed out while the loop ran late: excused", short_id(peer_id))
+                return
+            self.lost(peer_id, str(exc))

@@ -1,0 +1,74 @@
+"""Liveness pings judged against the learner's own loop (issue 27): a ping that timed out while the
+learner's trio loop ran late is the learner's fault, not the peer's — at 1,000 peers on 2 shared
+cores such timeouts marked live peers dead and expired their leases, and the re-queued work came
+back as more load. A ping that fails while the loop keeps time still loses the peer."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from echorl.learner.config import ServiceFields
+from echorl.learner.liveness import EXCUSE_FRACTION, Liveness, LoopLag
+from echorl.learner.peers import PeerBook, PeerRecord
+from echorl.net.host import PeerUnavailable
+from echorl.protocol.messages import Capability
+
+CAP = Capability(
+    engine="torch", device="cpu", memory_bytes=0, tokens_per_s=1.0, price_per_hour=0.0, reachable=True, listen_addrs=[]
+)
+
+
+class _Host:
+    """A ping that fails after ``stall_s`` of the loop blocked (a learner too busy to read it)."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+
+    async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
+        await trio.sleep(0.05)
+        time.sleep(self.stall_s)  # the loop is held: every task, the sampler too, wakes late
+        await trio.sleep(0)
+        raise PeerUnavailable(f"ping {peer_id}: no answer within {timeout:.1f} s")
+
+
+def _sweep(stall_s: float, timeout_s: float) -> tuple[list[str], Liveness, PeerBook]:
+    book = PeerBook()
+    quiet = time.monotonic() - 10.0
+    book.add(PeerRecord("peer-a", CAP, quiet, quiet, version=0))
+    lost: list[str] = []
+    live = Liveness(book, ServiceFields(liveness_after_s=1.0, ping_timeout_s=timeout_s), lambda p, why: lost.append(p))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(live.lag.run)
+            await trio.sleep(0.3)  # a few samples of a loop that keeps time
+            await live.sweep(_Host(stall_s), time.monotonic())  # type: ignore[arg-type]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return lost, live, book
+
+
+def test_a_ping_that_failed_while_the_loop_stalled_is_excused() -> None:
+    lost, live, book = _sweep(stall_s=1.0, timeout_s=2.0)  # 1 s late ≥ a quarter of 2 s
+    assert lost == [] and live.counters["pings_excused"] == 1
+    assert book["peer-a"].alive
+
+
+def test_a_ping_that_failed_while_the_loop_kept_time_loses_the_peer() -> None:
+    lost, live, _ = _sweep(stall_s=0.0, timeout_s=2.0)
+    assert lost == ["peer-a"] and live.counters["pings_excused"] == 0
+
+
+def test_loop_lag_counts_an_overdue_sleep_and_forgets_old_samples() -> None:
+    lag = LoopLag()
+    lag.note(100.0, 0.8)
+    lag.note(101.0, 0.01)
+    assert lag.worst_since(100.5, now=101.0) == 0.01  # only samples since the wait began
+    assert lag.worst_since(99.0, now=101.0) == 0.8
+    assert EXCUSE_FRACTION * 3.0 <= 0.8 and lag.excuses(99.0, 3.0, now=101.0)
+    assert not lag.excuses(100.5, 3.0, now=101.0)
+    lag.note(200.0, 0.0)  # a minute later: the old samples are gone
+    assert lag.worst_since(0.0, now=200.0) == 0.0
