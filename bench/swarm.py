@@ -33,7 +33,8 @@ CPU over the window, from /proc, per accepted submission), ``learner_cpu_share``
 ``cpu_ms_per_submission_net`` (the same, less the learner's CPU with no peer joined,
 ``learner_idle_cpu_share``, measured for ``--idle-s`` before the peers start: at N=10 the fixed
 background is most of the figure), ``learner_rss_mb``, ``status_ms`` (every page of a ``Status``
-read), ``peers_cpu_share``, ``errors`` (by kind), and, from the N=10 run of the same invocation,
+read), ``peers_cpu_share``, ``errors`` (by kind), ``learner_said`` (learner log lines over the run:
+``peers_lost`` after a failed ping, ``peers_struck``), and, from the N=10 run of the same invocation,
 ``*_vs_10`` ratios. ``loadavg`` is recorded: the
 2-core machine is shared (the peers' own processes run on the same cores as the learner).
 """
@@ -196,6 +197,11 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+LEARNER_SAID = {"peers_lost": "unresponsive (", "peers_struck": "struck off"}
+"""Learner log lines counted over the whole run (the bench trains no step, so it writes no metrics
+row): members it marked dead after a failed ping, identities it struck off."""
+
+
 def run_one(n: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="echorl-swarm-") as d:
         tmp = Path(d)
@@ -235,6 +241,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             except Exception as exc:
                 status_s, status_peers = float("nan"), -1
                 print(f"swarm: status read failed: {exc}", file=sys.stderr, flush=True)
+            said = swarm.learner_log.read_text(errors="replace")
+            learner_said = {k: said.count(pat) for k, pat in LEARNER_SAID.items()}
             events: list = []
             for w in workers:
                 w.stdin.close()
@@ -280,6 +288,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         "status_ms": round(status_s * ms, 1),
         "status_peers": status_peers,
         "errors": dict(errors),
+        "learner_said": learner_said,
         "loadavg": [round(x, 2) for x in load0],
     }
 

@@ -52,13 +52,13 @@ def _sweep(stall_s: float, timeout_s: float) -> tuple[list[str], Liveness, PeerB
 
 
 def test_a_ping_that_failed_while_the_loop_stalled_is_excused() -> None:
-    lost, live, book = _sweep(stall_s=1.0, timeout_s=2.0)  # 1 s late ≥ a quarter of 2 s
+    lost, live, book = _sweep(stall_s=1.0, timeout_s=10.0)  # 1 s late ≥ a sixteenth of 10 s
     assert lost == [] and live.counters["pings_excused"] == 1
     assert book["peer-a"].alive
 
 
 def test_a_ping_that_failed_while_the_loop_kept_time_loses_the_peer() -> None:
-    lost, live, _ = _sweep(stall_s=0.0, timeout_s=2.0)
+    lost, live, _ = _sweep(stall_s=0.0, timeout_s=10.0)  # a loaded CI loop stays well under 0.6 s
     assert lost == ["peer-a"] and live.counters["pings_excused"] == 0
 
 
