@@ -150,11 +150,15 @@ class Roster:
         from echorl.broadcast.broadcaster import NodeInfo
 
         chosen = self.plan(live)
-        leaves = any(p.is_worker for p in chosen)
-        cap = [p.capability for p in chosen]
+        any_worker = any(p.is_worker for p in chosen)
         return [
-            NodeInfo(p.peer_id, bool(c.reachable), tuple(c.listen_addrs), leaves and not p.is_worker)
-            for p, c in zip(chosen, cap, strict=True)
+            NodeInfo(
+                p.peer_id,
+                bool(p.capability.reachable),
+                tuple(p.capability.listen_addrs),
+                leaf=any_worker and not p.is_worker,
+            )
+            for p in chosen
         ]
 
     # --- idle members ---------------------------------------------------------------------------

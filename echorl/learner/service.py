@@ -468,8 +468,8 @@ class LearnerService:
         """Forever: expire overdue leases; ping every live peer not heard from lately and, if it
         does not answer, expire its leases at once and drop it from broadcast plans (a SIGKILLed
         or frozen node is noticed in seconds, not at the lease deadline);
-        with cost-aware activation, re-decide the active set every ``activation_interval_s``.
-        a ping that timed out while this loop ran late is excused (``learner/liveness.py``)."""
+        with cost-aware activation, re-decide the active set every ``activation_interval_s``. A ping
+        that timed out while this loop ran late is excused (``learner/liveness.py``)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.liveness.lag.run)
             await self._maintain(interval_s)
