@@ -5,6 +5,8 @@ Imports ``echorl.protocol`` (manifests, chunks, deltas, plans) and ``echorl.net`
 - ``broadcaster.py``: ``Broadcaster`` (learner side: builds a delta or full snapshot, signs the
   manifest and the ``PlanAnnounce``, serves the stripe roots, waits for ``BroadcastDone``),
   ``NodeInfo``, ``BroadcastReport``.
+- ``silence.py``: ``SilentMembers`` (plan members that did not answer the announce or never
+  reported: left out of the next 2^k plans).
 - ``relay.py``: ``Relay`` (node side: receives chunks from plan parents, verifies each against
   the signed manifest, forwards at once to plan children, rebuilds and applies the version,
   recovers from a stalled parent, catches up).

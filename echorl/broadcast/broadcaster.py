@@ -29,7 +29,8 @@ lying child cannot evict a peer. ``BroadcastDone`` is accepted only from a membe
 version's plan, and only its own plan parents count as its suspects. Training never waits on one
 member: once half of the announced nodes completed, the rest get ``straggler_factor`` × the time
 that took (at least ``straggler_floor_s``, a few seconds: the next version is not published
-before this wait ends, so it is what one silent member costs); a member that did not answer the
+before this wait ends, so it is what one silent member costs, also one that takes the announce
+and never answers it: announces run beside this wait); a member that did not answer the
 announce or has not reported is left out of the next 2^k plans (k: its misses in a row) and
 fetches versions by catch-up meanwhile. A member that has never reported any version is left out
 of the next 2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
@@ -74,7 +75,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -86,6 +86,7 @@ import trio
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import mapped, write_at
+from echorl.broadcast.silence import SilentMembers
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.ratelimit import RateLimit
@@ -107,9 +108,6 @@ from echorl.protocol.plan import BroadcastPlan, auto_chunk_bytes
 from echorl.protocol.routes import ANNOUNCE, DONE
 
 log = logging.getLogger("echorl.broadcast.broadcaster")
-
-MAX_SILENT_DOUBLINGS = 6  # a silent member sits out at most 2^6 plans in a row
-MAX_REMEMBERED_REPORTERS = 65_536
 
 
 @dataclass(frozen=True)
@@ -217,10 +215,7 @@ class Broadcaster:
         self._plans: dict[int, Any] = {}  # version -> its BroadcastPlan (who may report, and about whom)
         self._n_pub = 0  # publications so far: demotions and exclusions count in publications
         self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
-        self._silent: dict[
-            str, tuple[int, int]
-        ] = {}  # live member that never reported: (misses in a row, left out until publication)
-        self._reported: OrderedDict[str, None] = OrderedDict()  # members that reported some version (LRU-bounded)
+        self.silence = SilentMembers()  # members left out of the next plans for not reporting
         self._drop: set[str] = set()  # reported and did not complete: left out next time
 
     def install(self) -> None:
@@ -315,31 +310,13 @@ class Broadcaster:
         if per is not None and ctx.peer_id not in per:
             parents = {st.parent_of().get(ctx.peer_id) for st in plan.stripes} if plan is not None else set()
             per[ctx.peer_id] = msg.model_copy(update={"suspects": [p for p in msg.suspects if p in parents]})
-            self._done_changed.set()
-            self._done_changed = trio.Event()
+            self._note_done_changed()
         return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
 
-    def _benched(self, peer_id: str) -> bool:
-        return self._silent.get(peer_id, (0, -1))[1] >= self._n_pub
-
-    def _note_silent(self, version: int, silent: set[str], reported: set[str]) -> None:
-        """Members that did not answer the announce, or did and never reported: left out of the
-        next 2^k plans, k their misses in a row; a report clears the record."""
-        for p in reported:
-            self._silent.pop(p, None)
-            self._reported[p] = None
-            self._reported.move_to_end(p)
-        while len(self._reported) > MAX_REMEMBERED_REPORTERS:
-            self._reported.popitem(last=False)
-        for p in silent:
-            misses = self._silent.get(p, (0, 0))[0] + 1 if p in self._reported else MAX_SILENT_DOUBLINGS
-            self._silent[p] = (misses, self._n_pub + 2 ** min(misses, MAX_SILENT_DOUBLINGS) - 1)
-            log.info(
-                "v%d: %s never reported done; left out of the next %d plans",
-                version,
-                p[:16],
-                2 ** min(misses, MAX_SILENT_DOUBLINGS),
-            )
+    def _note_done_changed(self) -> None:
+        """Wake the publication waiting for reports (a report came, or an announce ended)."""
+        self._done_changed.set()
+        self._done_changed = trio.Event()
 
     async def _build(self, version: int, data: bytes, n_members: int) -> tuple[Manifest, bytes]:
         prev = self._prev
@@ -426,7 +403,11 @@ class Broadcaster:
 
         members = []
         for n in nodes:
-            if n.peer_id in self._drop or n.peer_id == self.host.peer_id or self._benched(n.peer_id):
+            if (
+                n.peer_id in self._drop
+                or n.peer_id == self.host.peer_id
+                or self.silence.benched(n.peer_id, self._n_pub)
+            ):
                 continue
             demoted = n.leaf or self._demote.get(n.peer_id, -1) >= self._n_pub
             pushes = True if self.nat_push and not n.reachable and not demoted else None
@@ -453,6 +434,7 @@ class Broadcaster:
 
         t0 = time.perf_counter()
         announced: set[str] = set()
+        asked = {m.peer_id for m in members}  # announced to, no answer yet: waited for like the rest
 
         async def announce(m: PlanMember) -> None:
             try:
@@ -466,28 +448,34 @@ class Broadcaster:
                 announced.add(m.peer_id)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("announce v%d to %s failed: %s", version, short_id(m.peer_id), exc)
+            finally:
+                asked.discard(m.peer_id)
+                self._note_done_changed()
 
-        async with trio.open_nursery() as nursery:
-            for m in members:
-                nursery.start_soon(announce, m)
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
-        with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
-            while not (announced - gone).issubset(done):
-                if 2 * len(done) >= len(announced - gone) and whole.deadline > (
-                    cut := trio.current_time()
-                    + max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
-                ):
-                    whole.deadline = cut  # half are done: the rest get a bounded wait, set once
-                with trio.move_on_after(self.liveness_every_s):
-                    await self._done_changed.wait()
-                    continue
-                await self._probe(announced - gone - set(done), gone, failures)
+        # the announces run beside the wait for reports: a member that takes the announce and
+        # never answers it costs the straggler wait, not the announce deadline (issue 24)
+        async with trio.open_nursery() as announcing:
+            for m in members:
+                announcing.start_soon(announce, m)
+            with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
+                while not (waited := (announced | asked) - gone).issubset(done):
+                    if 2 * len(done) >= len(waited) and whole.deadline > (
+                        cut := trio.current_time()
+                        + max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
+                    ):
+                        whole.deadline = cut  # half are done: the rest get a bounded wait, set once
+                    with trio.move_on_after(self.liveness_every_s):
+                        await self._done_changed.wait()
+                        continue
+                    await self._probe(announced - gone - set(done), gone, failures)
+            announcing.cancel_scope.cancel()  # an announce still unanswered is a miss
         seconds = time.perf_counter() - t0
         self._n_pub += 1
         # one that never answers the announce costs each publication its announce deadline (issue 24)
-        self._note_silent(version, {m.peer_id for m in members} - gone - set(done), set(done))
+        self.silence.note(version, {m.peer_id for m in members} - gone - set(done), set(done), self._n_pub)
 
         completed = sorted(p for p, d in done.items() if d.ok)
         if completed and len(completed) == len(members):

@@ -132,15 +132,18 @@ async def _main(args: argparse.Namespace) -> int:
     """``_show``; with ``--watch``, Ctrl-C leaves it (exit 130) within ``LEAVE_GRACE_S``."""
     code = 130  # unless _show returns
     async with trio.open_nursery() as guard:
-        if args.watch:
-            guard.start_soon(_leave_on_ctrl_c, guard.cancel_scope)
+        if args.watch:  # started: Ctrl-C is caught before the watch begins
+            await guard.start(_leave_on_ctrl_c, guard.cancel_scope)
         code = await _show(args)
         guard.cancel_scope.cancel()
     return code
 
 
-async def _leave_on_ctrl_c(scope: trio.CancelScope) -> None:
+async def _leave_on_ctrl_c(
+    scope: trio.CancelScope, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     with trio.open_signal_receiver(signal.SIGINT) as signals:
+        task_status.started()
         async for _ in signals:
             timer = threading.Timer(LEAVE_GRACE_S, os._exit, (130,))
             timer.daemon = True

@@ -61,6 +61,13 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "counter",
         "rollout groups refused for staleness (t - b > S)",
     ),
+    (
+        "rollouts_dropped_stale",
+        "echorl_rollouts_dropped_stale_total",
+        "counter",
+        "accepted rollout groups that went stale before a batch took them "
+        "(the buffer refuses at acceptance what its queue would let go stale)",
+    ),
     ("rollouts_per_s", "echorl_rollouts_per_second", "gauge", "rollout groups trained per second (recent window)"),
     ("staleness_max", "echorl_staleness_max", "gauge", "largest t - b of any accepted group"),
     ("staleness_mean", "echorl_staleness_mean", "gauge", "mean t - b of accepted groups"),

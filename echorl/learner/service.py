@@ -298,8 +298,9 @@ class LearnerService:
         if msg.incarnation not in (None, self.incarnation):  # weights of a branch this learner abandoned
             return self._deferred("weights_unknown", want_version=self.published)
         min_version = rule.min_version(self.version, self.published)
-        if msg.version < min_version:
-            return self._deferred("weights_too_old", want_version=min_version)
+        if msg.version < min_version:  # an unproven peer waits like a paced one: no free polls
+            retry = 0.0 if self.admission.trusted(ctx.peer_id) else self.admission.retry_s(ctx.peer_id, now)
+            return self._wait(ctx.peer_id, "weights_too_old", retry, now, want_version=min_version)
         if msg.version > self.published:
             return self._deferred("weights_unknown", want_version=self.published)
         if not self.admission.holds(msg.version, self.published):  # e.g. published before a resume:
@@ -309,7 +310,7 @@ class LearnerService:
         wanted, per_lease = min(msg.max_prompts, s.prompts_per_lease), s.prompts_per_lease
         n = self.admission.lease_prompts(ctx.peer_id, wanted, room, held, active, rule.in_flight_cap, per_lease, now)
         if n <= 0:
-            return self._wait(ctx.peer_id, "paced", self.admission.retry_s(ctx.peer_id), now)
+            return self._wait(ctx.peer_id, "paced", self.admission.retry_s(ctx.peer_id, now), now)
         prompts = self.buffer.next_prompts(self.task, self.admission.pace.sized(ctx.peer_id, n))
         timeout_s = self.admission.deadline(
             ctx.peer_id,
@@ -335,9 +336,11 @@ class LearnerService:
             sampling_seed=rec.sampling_seed,
         )
 
-    def _wait(self, peer_id: str, reason: DeferReason, retry_after_s: float, now: float) -> LeaseDeferred:
+    def _wait(
+        self, peer_id: str, reason: DeferReason, retry_after_s: float, now: float, want_version: int = -1
+    ) -> LeaseDeferred:
         self.admission.told_to_wait(peer_id, retry_after_s, now)  # asking before then is refused
-        return self._deferred(reason, retry_after_s=retry_after_s)
+        return self._deferred(reason, want_version, retry_after_s)
 
     def _deferred(self, reason: DeferReason, want_version: int = -1, retry_after_s: float = 0.0) -> LeaseDeferred:
         return LeaseDeferred(run_id=self.run_id, reason=reason, want_version=want_version, retry_after_s=retry_after_s)

@@ -262,11 +262,26 @@ def resource_manager(limits: ConnectionLimits) -> Any:
     )
 
 
+def no_auto_dial(swarm: Any) -> None:
+    """Turn off py-libp2p's auto-connector on ``swarm``: it dials peers from the peer store
+    toward the midpoint of the watermarks (150 connections with ``low_watermark`` 0 and the
+    default ``high_watermark`` 300), every 30 s and 5 s after any disconnect, so an honest node
+    dialled every address it had learnt (plan members, the learner's members: a crowd of idle
+    identities cost the honest nodes' CPU), and a learner its members. Every connection echorl
+    needs is dialled by the code that needs it (join, broadcast, fetch)."""
+    connector = getattr(swarm, "auto_connector", None)
+    if connector is not None:
+
+        async def dial_nothing() -> None:
+            return None
+
+        connector.maybe_connect = dial_nothing
+
+
 def no_pruning(swarm: Any) -> None:
     """Turn off py-libp2p's connection pruner on ``swarm``: past ``high_watermark`` (300 by
     default) it closes the lowest-valued connections 20 at a time after each new one, which on a
-    learner are joined peers (the guard above bounds what a host holds). The watermarks are left
-    as they are: py-libp2p's auto-connector aims at their midpoint."""
+    learner are joined peers (the guard above bounds what a host holds)."""
     pruner = getattr(swarm, "connection_pruner", None)
     if pruner is not None:
 

@@ -47,6 +47,7 @@ from echorl.net.guard import (
     ConnectionLimits,
     RefusalStrikes,
     guard_libp2p_inbound,
+    no_auto_dial,
     no_pruning,
     raise_fd_limit,
     resource_manager,
@@ -318,7 +319,8 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
     config = config or HostConfig()
     _quiet_libp2p_logs()
     # one connection per peer: the dialer stops waiting as soon as the first dial succeeds;
-    # no auto-connector dialing toward a 50-connection floor (our topology is explicit).
+    # no auto-connector dialing toward a connection target (our topology is explicit: the
+    # watermarks alone do not stop it, see ``no_auto_dial``).
     # py-libp2p's cap on all connections (max_connections, 300 by default) sits above ours
     # (net/guard.py), and the process may open that many descriptors
     most = config.connection_limits.max_connections
@@ -343,6 +345,7 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
     host = Host(identity, lp_host, config)
     guard_libp2p_inbound(lp_host.get_network(), host.guard)  # net/guard.py
     no_pruning(lp_host.get_network())  # net/guard.py: its pruner would close joined peers past 300
+    no_auto_dial(lp_host.get_network())  # net/guard.py: it dialled every known peer toward 150
     cache = getattr(lp_host.get_network(), "_negative_peer_cache", None)
     if cache is not None and hasattr(cache, "_ttl"):
         # py-libp2p refuses every dial to a peer for 60 s after one failed: one early failure

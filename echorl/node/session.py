@@ -180,7 +180,8 @@ async def _check_served_run(host: Any, cfg: NodeConfig, learner: str) -> None:
 
 async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[Any, float]:
     """(lease, 0) or (None, seconds to wait): a deferral for old or unknown weights updates them
-    first and asks again at once (or shortly, if nothing newer is to be had yet)."""
+    first and asks again at once (or shortly, if nothing newer is to be had yet), or once the
+    deferral's ``retry_after_s`` has passed (an unproven node is given one)."""
     from echorl.protocol import routes, wire
     from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest, RunEnded
 
@@ -206,9 +207,10 @@ async def _request_lease(host: Any, cfg: NodeConfig, state: NodeState) -> tuple[
         await weights.ensure(0)
         return None, 0.0
     if reply.reason == "weights_too_old":
-        before = weights.version
+        before, told_at = weights.version, time.monotonic()
         await weights.ensure(max(reply.want_version, weights.version + 1))
-        return None, (0.05 if weights.version == before else 0.0)  # nothing newer anywhere yet
+        left = reply.retry_after_s - (time.monotonic() - told_at)  # asking earlier is refused
+        return None, max(left, 0.05 if weights.version == before else 0.0)  # 0.05: nothing newer yet
     return None, max(reply.retry_after_s, 0.01)
 
 

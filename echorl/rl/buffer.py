@@ -4,9 +4,13 @@ Rule: at learner step t (the current policy version), a rollout group of behavio
 is usable iff ``0 <= t - b <= S`` (a version newer than t is invalid; ``t − b ≤ S`` is the
 run's :class:`~echorl.rl.staleness.StalenessRule`). The rule is checked when a group arrives
 (:meth:`offer`) and again when it is drawn for a step (:meth:`take`), because the version may
-have advanced while it waited. A rejected group's prompt goes back to the queue, so hard prompts are not starved;
-prompts of expired leases come back through :meth:`requeue`. One "rollout" here is one group
-(G samples of one prompt, all from one version).
+have advanced while it waited. Once the batch size is known, :meth:`offer` also refuses a group
+that its place in the queue would make stale before its batch comes (:meth:`trains_at`), so a
+group accepted here is trained, and a receipt for it pays for work that trains: a drop at
+:meth:`take` (``rollouts_dropped_stale``) is then left to a buffer that does not know its batch
+size yet (``batch`` 0 and no batch taken). A rejected group's prompt goes back to the queue,
+so hard prompts are not starved; prompts of expired leases come back through :meth:`requeue`.
+One "rollout" here is one group (G samples of one prompt, all from one version).
 
 Idempotency: a prompt is outstanding from :meth:`register` (or :meth:`next_prompts`) until its
 group is accepted, rejected or re-queued; a group whose prompt is not outstanding (a duplicate
@@ -49,9 +53,16 @@ class StalenessBuffer:
     """Accepts groups at most ``staleness`` versions old; optional ``scorer(prompt, text)``
     recomputes every accepted group's rewards (the actor's rewards are only a hint).
     ``group_scorer(prompt, group)`` replaces it for episodic tasks (``learner/replay.py``: it
-    replays the episodes and raises ``ReplayMismatch`` on a forged one)."""
+    replays the episodes and raises ``ReplayMismatch`` on a forged one). ``batch``: the groups
+    each step takes (0: learnt from the first :meth:`take`), for :meth:`trains_at`."""
 
-    def __init__(self, staleness: int, scorer: Scorer | None = None, group_scorer: GroupScorer | None = None) -> None:
+    def __init__(
+        self,
+        staleness: int,
+        scorer: Scorer | None = None,
+        group_scorer: GroupScorer | None = None,
+        batch: int = 0,
+    ) -> None:
         self.rule = StalenessRule(int(staleness))  # raises on a negative bound
         self.staleness = self.rule.bound
         self.scorer = scorer
@@ -64,8 +75,11 @@ class StalenessBuffer:
         self.rollouts_rejected_stale = 0
         self.rollouts_rejected_unknown = 0
         self.rollouts_rejected_invalid = 0
+        self.rollouts_dropped_stale = 0  # accepted, then stale before a batch took them
         self.staleness_max = 0
         self._staleness_sum = 0
+        self._batch = batch  # groups per step (the last batch taken's size; 0: not known yet)
+        self._next_take = 0  # the version the next batch is trained at, at least (last take + 1)
 
     # -- prompts -------------------------------------------------------------------------
     def register(self, prompts: list[Prompt]) -> None:
@@ -137,7 +151,7 @@ class StalenessBuffer:
             self.requeued.append(prompt)
             self.rollouts_rejected_invalid += 1
             return Verdict.REJECTED_INVALID
-        if not self.is_fresh(group.behaviour_version, current_version):
+        if not self.is_fresh(group.behaviour_version, self.trains_at(current_version)):
             del self.outstanding[group.prompt_id]
             self.requeued.append(prompt)
             self.rollouts_rejected_stale += 1
@@ -174,6 +188,19 @@ class StalenessBuffer:
             self.requeued.extend(self._prompts.pop(g.prompt_id) for g in gone)
         return len(gone)
 
+    def trains_at(self, current_version: int) -> int:
+        """The version a group offered now would be trained at. Batches are taken oldest first,
+        ``n`` groups each, at most one version apart, and a group stale when its batch comes is
+        dropped then; so a group behind ``k`` groups that are still fresh when their batches come
+        is trained at ``first + k // n`` at the latest, where ``first`` is the current version, or
+        the next one while a taken batch trains. Batch size not known: the current version."""
+        if self._batch <= 0:
+            return current_version
+        first, ahead = max(current_version, self._next_take), 0
+        for g in self._ready:
+            ahead += self.is_fresh(g.behaviour_version, first + ahead // self._batch)
+        return first + ahead // self._batch
+
     def take(self, n: int, current_version: int) -> list[RolloutGroup] | None:
         """Drop groups that became stale (re-queueing their prompts); then return the ``n``
         oldest usable groups, or None (and keep them) if fewer than ``n`` are ready."""
@@ -183,10 +210,12 @@ class StalenessBuffer:
                 kept.append(g)
             else:
                 self.rollouts_rejected_stale += 1
+                self.rollouts_dropped_stale += 1
                 self.requeued.append(self._prompts.pop(g.prompt_id))
         self._ready = kept
         if len(self._ready) < n:
             return None
+        self._batch, self._next_take = n, current_version + 1
         batch = [self._ready.popleft() for _ in range(n)]
         for g in batch:
             s = current_version - g.behaviour_version
@@ -206,6 +235,7 @@ class StalenessBuffer:
         "rollouts_rejected_stale",
         "rollouts_rejected_unknown",
         "rollouts_rejected_invalid",
+        "rollouts_dropped_stale",
         "staleness_max",
     )
 
@@ -235,6 +265,7 @@ class StalenessBuffer:
             "rollouts_rejected_stale": self.rollouts_rejected_stale,
             "rollouts_rejected_unknown": self.rollouts_rejected_unknown,
             "rollouts_rejected_invalid": self.rollouts_rejected_invalid,
+            "rollouts_dropped_stale": self.rollouts_dropped_stale,
             "staleness_max": self.staleness_max,
             "staleness_mean": self.staleness_mean,
         }

@@ -120,7 +120,9 @@ def build_loop(
     grpo = data_parallel(trainer, model_dir, cfg.nproc, cfg.seed)
     task = with_chat_template(task, backend.tokenizer, cfg.chat_template)  # single-turn prompts in the model's template
     replay = group_scorer(task, backend.tokenizer)  # episodic tasks: rewards come from replaying the episodes
-    buffer = StalenessBuffer(cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay)
+    buffer = StalenessBuffer(
+        cfg.staleness, scorer=None if replay else task.reward, group_scorer=replay, batch=cfg.prompts_per_step
+    )
     return TrainingLoop(loop_settings(cfg, meta), task, grpo, buffer, backend, keep_rows=keep_rows)
 
 

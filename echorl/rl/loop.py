@@ -451,6 +451,7 @@ class TrainingLoop:
             "staleness_mean": float(c["staleness_mean"]),
             "rollouts_accepted": int(c["rollouts_accepted"]),
             "rollouts_rejected_stale": int(c["rollouts_rejected_stale"]),
+            "rollouts_dropped_stale": int(c["rollouts_dropped_stale"]),
             "rollouts_per_s": self._window[1] / max(1e-9, time.monotonic() - self._window[0]),
             "publish_every": self.kappa,
             "t_train_s": self.t_train_ema,

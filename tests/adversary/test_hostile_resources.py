@@ -7,8 +7,10 @@ crash in the middle of a re-save."""
 
 from __future__ import annotations
 
+import math
 import struct
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -24,6 +26,21 @@ from echorl.protocol import routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import BroadcastDone, Lease, LeaseDeferred, LeaseRequest
+
+
+def _published_service(tiny, prompts_per_step: int, staleness: int):  # noqa: F811
+    """A service with version 0 published, 2-prompt leases and a 30 s base timeout."""
+    svc = _service(
+        tiny, lease_timeout_s=30.0, prompts_per_step=prompts_per_step, prompts_per_lease=2, staleness=staleness
+    )
+    svc.note_published(0)
+    return svc
+
+
+async def _ask_now(svc, ctx: RequestContext) -> Lease | LeaseDeferred:
+    """A lease request at version 0, any ``retry_after_s`` passed (the test steps time by hand)."""
+    svc.admission.told_to_wait(ctx.peer_id, 0.0, 0.0)
+    return await svc.on_lease(LeaseRequest(run_id=RUN, version=0, max_prompts=2), ctx)
 
 
 def test_lease_hoarder_is_limited_backed_off_then_refused(tiny) -> None:  # noqa: F811
@@ -77,6 +94,38 @@ def test_unmeasured_identities_together_hold_at_most_half_the_in_flight_budget(t
         cap = svc.rule.in_flight_cap
         assert 0 < held <= max(svc.settings.prompts_per_lease, cap // 2) < 20
         assert isinstance(await svc.on_lease(req, gctx), Lease)
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("proven_peers, newcomer_leases", [(2, 1), (5, 2)])
+def test_while_proven_peers_work_newcomers_hold_a_lease_per_four_of_them(
+    tiny,  # noqa: F811
+    proven_peers: int,
+    newcomer_leases: int,
+) -> None:
+    """Issue 24, ``slow_walker_8x4``: identities on many addresses that hold each lease to its
+    deadline took half of the in-flight budget between them (an address share each, 0.64 of clean
+    goodput). Once peers are proven, the unproven ones together hold one lease per four proven
+    peers, whatever their addresses; before anyone is proven, half the budget as before."""
+
+    async def main() -> None:
+        svc = _published_service(tiny, prompts_per_step=64, staleness=2)
+        ask = partial(_ask_now, svc)
+
+        # before anyone is proven: a crowd (each identity an address of its own) holds half
+        early = [await ask(_join(svc, Identity.generate())) for _ in range(40)]
+        assert sum(len(r.prompts) for r in early if isinstance(r, Lease)) == svc.rule.in_flight_cap // 2
+        for r in early:
+            if isinstance(r, Lease):
+                svc.leases.settle(r.lease_id, "expired")
+                svc.buffer.requeue(list(svc.buffer.outstanding.values()))
+        for ctx in [_join(svc, Identity.generate()) for _ in range(proven_peers)]:
+            for _ in range(3):
+                svc.admission.on_result(ctx.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
+            assert [type(await ask(ctx)) for _ in range(2)] == [Lease, Lease]  # at work: two leases each
+        crowd = [await ask(_join(svc, Identity.generate())) for _ in range(40)]
+        assert sum(isinstance(r, Lease) for r in crowd) == newcomer_leases
 
     trio.run(main)
 
@@ -162,6 +211,44 @@ def test_a_member_that_never_answers_the_announce_is_left_out_like_a_silent_one(
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_member_that_takes_the_announce_and_never_answers_costs_the_straggler_wait_only() -> None:
+    """A member whose host was closing (a slow-walker cancelled at the end of a bench window) took
+    the announce stream and never answered: the publication waited its announce deadline (10 s)
+    before it began waiting for reports, no newer version was published meanwhile, the nodes'
+    versions went stale and training stopped for those 10 s (0.7 steps/s). Announces now run
+    beside the wait for reports, so such a member costs the straggler wait."""
+    from safetensors.numpy import save
+
+    from echorl.protocol.messages import PlanAnnounce
+
+    async def never(msg: object, ctx: object) -> None:
+        await trio.sleep_forever()
+
+    async def main() -> float:
+        identity = Identity.generate()
+        async with (
+            open_host(identity) as host,
+            open_host(Identity.generate()) as good,
+            open_host(Identity.generate()) as mute,
+            trio.open_nursery() as nursery,
+        ):
+            bc = Broadcaster(host, identity, RUN, direct=False, announce_timeout_s=30.0, done_timeout_s=60.0)
+            bc.straggler_floor_s = 0.5
+            bc.install()
+            plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
+            mute.route(routes.ANNOUNCE, never, request=PlanAnnounce)
+            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, mute)]
+            with trio.move_on_after(20):  # the old code waits the 30 s announce deadline
+                report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
+                assert report.completed == [good.peer_id] and report.missing == [mute.peer_id]
+                nursery.cancel_scope.cancel()
+                return report.seconds
+            nursery.cancel_scope.cancel()
+            return math.inf
+
+    assert trio.run(main) < 5.0
 
 
 def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> None:
@@ -398,13 +485,8 @@ def test_a_late_joiner_gets_a_lease_while_proven_peers_fill_the_budget(tiny) -> 
     one, the proven peers get the rest again."""
 
     async def main() -> None:
-        svc = _service(tiny, lease_timeout_s=30.0, prompts_per_step=4, prompts_per_lease=2, staleness=1)
-        svc.note_published(0)
-        req = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
-
-        async def ask(ctx: RequestContext) -> Lease | LeaseDeferred:
-            svc.admission.told_to_wait(ctx.peer_id, 0.0, 0.0)  # the test steps time by hand
-            return await svc.on_lease(req, ctx)
+        svc = _published_service(tiny, prompts_per_step=4, staleness=1)
+        ask = partial(_ask_now, svc)
 
         proven = [Identity.generate() for _ in range(2)]
         ctxs = [_join(svc, p) for p in proven]
@@ -471,5 +553,41 @@ def test_a_member_polling_before_its_retry_after_is_refused_then_struck_off(tiny
             await trio.sleep(deferred.retry_after_s)
             again = await svc.on_lease(req, gctx)  # waited as told: a deferral, not a refusal
             assert isinstance(again, LeaseDeferred) and again.reason == "paced"
+
+    trio.run(main)
+
+
+def test_unproven_peers_share_one_retry_clock_and_wait_after_weights_too_old(tiny) -> None:  # noqa: F811
+    """Issue 24, ``slow_walker_8x4``: 32 walkers on 8 addresses, each asking every 0.5 s and
+    claiming a version it never fetched after every ``weights_too_old``, cost ~110 answers a
+    second. Now every deferral to an unproven peer takes the next slot of one clock (20 a second
+    in all, at most 5 s away), and ``weights_too_old`` to an unproven peer carries that
+    ``retry_after_s`` too (asking earlier is refused); a proven peer is not slowed."""
+    from echorl.learner.admission import UNPROVEN_RETRY_MAX_S, UNPROVEN_RETRY_S, UNPROVEN_SLOT_S
+
+    async def main() -> None:
+        svc = _service(tiny, prompts_per_step=8, staleness=2)
+        adm, t = svc.admission, 1000.0
+        crowd = [_join(svc, Identity.generate()).peer_id for _ in range(32)]
+        retries = [adm.retry_s(pid, t) for pid in crowd]
+        assert retries[0] == UNPROVEN_RETRY_S and retries[-1] == pytest.approx(32 * UNPROVEN_SLOT_S)
+        assert max(adm.retry_s(pid, t) for pid in crowd * 10) == UNPROVEN_RETRY_MAX_S
+        assert adm.retry_s(crowd[0], t + 60.0) == UNPROVEN_RETRY_S  # the clock catches up when idle
+
+        version = [5]
+        svc._version = lambda: version[0]
+        svc.note_published(5)
+        newcomer, proven = _join(svc, Identity.generate()), _join(svc, Identity.generate())
+        for _ in range(3):
+            adm.on_result(proven.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
+        old = LeaseRequest(run_id=RUN, version=0, max_prompts=2)
+        reply = await svc.on_lease(old, newcomer)
+        assert isinstance(reply, LeaseDeferred) and reply.reason == "weights_too_old" and reply.retry_after_s > 0
+        with pytest.raises(ProtocolError) as err:  # it claims the wanted version at once: early
+            await svc.on_lease(LeaseRequest(run_id=RUN, version=reply.want_version, max_prompts=2), newcomer)
+        assert err.value.code is ErrorCode.RATE_LIMITED
+        reply = await svc.on_lease(old, proven)
+        assert isinstance(reply, LeaseDeferred) and reply.reason == "weights_too_old" and reply.retry_after_s == 0
+        assert isinstance(await svc.on_lease(LeaseRequest(run_id=RUN, version=5, max_prompts=2), proven), Lease)
 
     trio.run(main)

@@ -109,7 +109,7 @@ def test_demoted_relay_is_interior_again_after_eight_publications() -> None:
                 await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
                 reachable.append(bc._plans[v].peers and bc.server.states[v].announce.members[0].reachable)
                 bc._drop.clear()  # the member never answers here: keep it in the node set
-                bc._silent.clear()
+                bc.silence.clear()
             assert reachable == [False] * 8 + [True] * 2
 
     trio.run(main)

@@ -11,6 +11,7 @@ by address, so the honest newcomers get in, get leases, prove themselves and kee
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import trio
 from swarm import capability, signed_submit
@@ -18,7 +19,7 @@ from test_hostile_rollouts import RUN, _service, tiny  # noqa: F401 - fixture
 from test_sybil_flood import FakeHost
 from test_sybil_flood import _join as join
 
-from echorl.learner.admission import ASKING_WINDOW_S, Admission
+from echorl.learner.admission import ASKING_WINDOW_S, TURN_WINDOW_S, Admission
 from echorl.learner.pace import PROVEN_LEASES
 from echorl.learner.peers import PeerBook
 from echorl.learner.service import LearnerService
@@ -43,6 +44,13 @@ async def _ask(svc: LearnerService, me: Identity) -> Lease | LeaseDeferred:
     reply = await svc.on_lease(LeaseRequest(run_id=RUN, version=svc.published, max_prompts=2), _ctx(me))
     assert isinstance(reply, (Lease, LeaseDeferred)), reply
     return reply
+
+
+def _expire_all(svc: LearnerService) -> None:
+    """Every open lease runs past its deadline unanswered."""
+    for rec in svc.leases.expire_due(time.monotonic() + 1e4):
+        svc.buffer.requeue(rec.prompts)
+        svc.admission.on_expired(rec.peer_id)
 
 
 async def _fresh_holders(svc: LearnerService, host: FakeHost, n: int) -> list[Lease]:
@@ -95,16 +103,21 @@ def test_honest_peers_behind_an_attackers_shared_address_get_in_and_get_leases(t
             assert isinstance(await _ask(svc, me), LeaseDeferred)  # the budget is full
 
         # the fresh identities' leases end (unanswered, expired); new fresh identities ask first
-        for rec in svc.leases.expire_due(time.monotonic() + 1e4):
-            svc.buffer.requeue(rec.prompts)
-            svc.admission.on_expired(rec.peer_id)
+        _expire_all(svc)
         second = await _fresh_holders(svc, host, budget)
         assert sum(len(x.prompts) for x in second) == budget // 2  # OTHER's share only (before: all of it)
 
         # the honest newcomers get leases, answer them in time, and are proven
-        for _ in range(PROVEN_LEASES):
+        for i in range(PROVEN_LEASES):
             for me in honest:
                 lease = await _ask(svc, me)
+                if me == honest[1] and i == PROVEN_LEASES - 1:
+                    # honest[0] is proven now, so newcomers share one lease (per four proven
+                    # peers), and OTHER's unanswered one holds it: honest[1] waits for its deadline
+                    assert isinstance(lease, LeaseDeferred) and lease.reason == "paced"
+                    _expire_all(svc)
+                    svc.admission.asking[OTHER] -= TURN_WINDOW_S  # OTHER last asked before it
+                    lease = await _ask(svc, me)
                 assert isinstance(lease, Lease), lease  # before: deferred, the budget held by OTHER
                 reply = await svc.on_submit(signed_submit(me, lease, svc.published, vary=True), _ctx(me))
                 assert isinstance(reply, SubmitAccepted) and reply.accepted == len(lease.prompts)
@@ -162,3 +175,38 @@ def test_the_unproven_budget_is_split_among_addresses_asking_for_work() -> None:
     assert room("a", 0.0) == 8  # one address asking: all of it (idle members shrink nothing)
     assert room("h", 1.0) == 4 and room("b", 1.5) == 4  # two addresses asking: half each
     assert room("a", 2.0 + ASKING_WINDOW_S) == 8  # the other address stopped asking
+
+
+def test_a_freed_newcomer_lease_goes_to_the_address_whose_turn_it_is() -> None:
+    """With room for one unproven lease (two proven peers at work), a crowd of identities on one
+    address asking more often than a newcomer on another would win every freed slot. The address
+    whose last unproven lease is oldest goes first: the crowd's next identity waits while the
+    newcomer, waiting too, has never had one; then the crowd's turn comes again."""
+    book = PeerBook()
+    adm = Admission(book)
+    proven = [Identity.generate().peer_id for _ in range(2)]
+    crowd = [Identity.generate().peer_id for _ in range(3)]
+    newcomer = Identity.generate().peer_id
+    for i, pid in enumerate(proven):
+        book.join(pid, capability(), 0, f"10.0.1.{i}")
+        book.load(pid).on_time_in_row = PROVEN_LEASES
+    for pid in crowd:
+        book.join(pid, capability(), 0, "10.0.0.1")
+    book.join(newcomer, capability(), 0, "10.0.0.2")
+    now, out = time.monotonic(), []  # the unproven leases out: (holder, prompts)
+
+    def lease(pid: str, dt: float) -> int:  # prompts leased (in-flight cap 16, 2-prompt leases)
+        active = [SimpleNamespace(peer_id=h, prompts=[None] * n) for h, n in out]
+        n = adm.lease_prompts(pid, 2, 16, {p: 2 for p in proven}, active, 16, 2, now + dt)  # type: ignore[arg-type]
+        out.extend([(pid, n)] if n > 0 else [])
+        return n
+
+    assert adm.unproven_budget(16, 2, now) == 2  # one lease for two proven peers
+    assert lease(crowd[0], 0.0) == 2  # the crowd holds it
+    assert lease(newcomer, 0.1) == 0 and lease(crowd[1], 0.2) == 0  # both wait
+    out.clear()  # it settles; the crowd asks first again, but the newcomer's address never had one
+    assert lease(crowd[2], 0.3) == 0  # before: the crowd's, as every freed slot would be
+    assert lease(newcomer, 0.4) == 2
+    out.clear()  # now the crowd's last lease is the older: its turn
+    assert lease(newcomer, 0.5) == 0
+    assert lease(crowd[1], 0.6) == 2

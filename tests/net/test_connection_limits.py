@@ -73,3 +73,21 @@ def test_libp2p_s_resource_manager_admits_what_the_guard_admits() -> None:
     assert rm.connection_limits.max_established_total >= limits.max_connections
     assert rm.limits.max_connections >= limits.max_connections
     assert rm.limits.max_streams >= 10 * limits.max_total
+
+
+def test_a_host_never_dials_the_peers_it_knows_by_itself() -> None:
+    """py-libp2p's auto-connector aims at the watermarks' midpoint (150 connections: low 0, high
+    300), so a node dialled every peer whose address it had learnt (a crowd of idle identities
+    that joined the learner cost the honest nodes' CPU, issue 24) and a learner its members.
+    Its dial cycle, run now, dials nobody."""
+
+    async def main() -> tuple[bool, bool]:
+        async with open_host(Identity.generate()) as host, open_host(Identity.generate()) as other:
+            host.add_peer_addrs(other.peer_id, list(other.addrs))
+            connector = host.libp2p.get_network().auto_connector
+            connector._started = True
+            await connector.maybe_connect()
+            await trio.sleep(0.5)
+            return host.is_connected(other.peer_id), other.is_connected(host.peer_id)
+
+    assert trio.run(main) == (False, False)

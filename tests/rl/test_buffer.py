@@ -93,3 +93,51 @@ def test_score_outside_then_offer_uses_those_rewards():
     groups[0].rewards = [9.0, 9.0]  # the actor's hint never counts
     assert buf.offer(groups[0], 0, rewards[0]) is Verdict.ACCEPTED and groups[0].rewards == rewards[0]
     assert buf.offer(groups[1], 0, rewards[1]) is Verdict.REJECTED_UNKNOWN
+
+
+def test_a_group_its_queue_would_let_go_stale_is_refused_at_acceptance_not_dropped_after():
+    """Receipts only for work that trains (issue 24): once batches are taken, a group offered
+    behind enough others that its batch would come after it went stale is refused now (its
+    prompt re-queued, nothing credited), not accepted and dropped later by ``take``."""
+    task = load_task("addition")
+    buf = StalenessBuffer(1)
+    ps = buf.next_prompts(task, 6)
+    for p in ps[:2]:
+        assert buf.offer(_group(p.prompt_id, 0), 0) is Verdict.ACCEPTED
+    assert buf.trains_at(0) == 0  # no batch taken yet: trained at the current version
+    assert buf.take(2, 0) is not None  # step 0 is training: the next batch trains at version 1
+    assert buf.trains_at(0) == 1
+    assert buf.offer(_group(ps[2].prompt_id, 0), 0) is Verdict.ACCEPTED  # batch at v1: staleness 1
+    assert buf.offer(_group(ps[3].prompt_id, 0), 0) is Verdict.ACCEPTED
+    assert buf.offer(_group(ps[4].prompt_id, 0), 0) is Verdict.REJECTED_STALE  # its batch: v2, staleness 2
+    assert buf.requeued[-1] == ps[4] and buf.rollouts_rejected_stale == 1
+    assert buf.offer(_group(ps[5].prompt_id, 1), 1) is Verdict.ACCEPTED  # v1's own group is fresh at v2
+    assert buf.take(2, 1) is not None and buf.take(1, 2) is not None
+    assert buf.rollouts_dropped_stale == 0 and buf.staleness_max == 1
+
+
+def test_groups_ahead_that_will_be_dropped_do_not_delay_a_group():
+    """A group ahead in the queue that is stale by the time its batch comes is dropped then and
+    takes no place in a batch, so it does not push the groups behind it later."""
+    task = load_task("addition")
+    buf = StalenessBuffer(1)
+    ps = buf.next_prompts(task, 5)
+    assert buf.offer(_group(ps[0].prompt_id, 0), 0) is Verdict.ACCEPTED
+    assert buf.take(1, 0) is not None  # batches of one
+    for p in ps[1:3]:  # accepted at v1 (fresh now); the second one's batch is at v2: refused
+        buf.offer(_group(p.prompt_id, 0), 1)
+    assert len(buf) == 1 and buf.rollouts_rejected_stale == 1
+    assert buf.offer(_group(ps[3].prompt_id, 1), 1) is Verdict.ACCEPTED  # batch at v2
+    # at v2 the b=0 group ahead is stale (dropped, no place): only the b=1 group is ahead, so a
+    # group offered now trains at v3, not v4 (where a b=2 group would be stale)
+    assert buf.trains_at(2) == 3
+    assert buf.offer(_group(ps[4].prompt_id, 2), 2) is Verdict.ACCEPTED
+
+
+def test_a_buffer_told_its_batch_size_predicts_from_the_start():
+    """The learner's buffer knows B from its config: before any batch is drawn the trainer waits
+    at the current version, so the first B groups train there and the next B one version later."""
+    task = load_task("addition")
+    buf = StalenessBuffer(0, batch=2)
+    ps = buf.next_prompts(task, 3)
+    assert [buf.offer(_group(p.prompt_id, 0), 0) for p in ps] == [Verdict.ACCEPTED] * 2 + [Verdict.REJECTED_STALE]
