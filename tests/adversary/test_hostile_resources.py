@@ -7,7 +7,6 @@ crash in the middle of a re-save."""
 
 from __future__ import annotations
 
-import math
 import struct
 import time
 from functools import partial
@@ -180,7 +179,10 @@ def test_a_member_that_never_answers_the_announce_is_left_out_like_a_silent_one(
     """A member that does not answer the announce (one never replies, one serves no announce
     route) is as silent as one that never reports: before, it stayed in every plan and each
     publication waited its announce deadline for it (32 slow-walkers from one address that had
-    worked once held the learner to one publication per 10 s: honest goodput 0.07 of clean)."""
+    worked once held the learner to one publication per 10 s: honest goodput 0.07 of clean).
+    Nor does the one publication it is in wait that deadline: the announces run beside the wait
+    for reports, so it costs the straggler wait (a walker's host closing mid-announce had held
+    a publication 10 s, no newer version went out, and training stopped for those 10 s)."""
     from safetensors.numpy import save
 
     from echorl.protocol.messages import PlanAnnounce
@@ -197,58 +199,21 @@ def test_a_member_that_never_answers_the_announce_is_left_out_like_a_silent_one(
             open_host(Identity.generate()) as deaf,
             trio.open_nursery() as nursery,
         ):
-            bc = Broadcaster(host, identity, RUN, direct=False, announce_timeout_s=0.5, done_timeout_s=60.0)
+            bc = Broadcaster(host, identity, RUN, direct=False, announce_timeout_s=30.0, done_timeout_s=60.0)
             bc.straggler_floor_s = 0.5
             bc.install()
             plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
             mute.route(routes.ANNOUNCE, never, request=PlanAnnounce)
             nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, mute, deaf)]
-            report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
-            assert report.nodes == 3 and report.completed == [good.peer_id]
+            with trio.fail_after(20):  # before: the mute member's 30 s announce deadline
+                report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
+            assert report.nodes == 3 and report.completed == [good.peer_id] and report.seconds < 5
             for v in range(2, 5):
                 report = await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
                 assert report.nodes == 1 and report.completed == [good.peer_id], v  # both left out
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-
-
-def test_a_member_that_takes_the_announce_and_never_answers_costs_the_straggler_wait_only() -> None:
-    """A member whose host was closing (a slow-walker cancelled at the end of a bench window) took
-    the announce stream and never answered: the publication waited its announce deadline (10 s)
-    before it began waiting for reports, no newer version was published meanwhile, the nodes'
-    versions went stale and training stopped for those 10 s (0.7 steps/s). Announces now run
-    beside the wait for reports, so such a member costs the straggler wait."""
-    from safetensors.numpy import save
-
-    from echorl.protocol.messages import PlanAnnounce
-
-    async def never(msg: object, ctx: object) -> None:
-        await trio.sleep_forever()
-
-    async def main() -> float:
-        identity = Identity.generate()
-        async with (
-            open_host(identity) as host,
-            open_host(Identity.generate()) as good,
-            open_host(Identity.generate()) as mute,
-            trio.open_nursery() as nursery,
-        ):
-            bc = Broadcaster(host, identity, RUN, direct=False, announce_timeout_s=30.0, done_timeout_s=60.0)
-            bc.straggler_floor_s = 0.5
-            bc.install()
-            plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
-            mute.route(routes.ANNOUNCE, never, request=PlanAnnounce)
-            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, mute)]
-            with trio.move_on_after(20):  # the old code waits the 30 s announce deadline
-                report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
-                assert report.completed == [good.peer_id] and report.missing == [mute.peer_id]
-                nursery.cancel_scope.cancel()
-                return report.seconds
-            nursery.cancel_scope.cancel()
-            return math.inf
-
-    assert trio.run(main) < 5.0
 
 
 def test_a_silent_newcomer_sits_out_64_plans_a_member_with_a_record_only_2() -> None:
