@@ -455,14 +455,15 @@ class Broadcaster:
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
-        # the announces run beside the wait for reports: a member that takes the announce and
-        # never answers it costs the straggler wait, not the announce deadline (issue 24)
+        # the announces run beside the wait for reports, and half of those that answered count:
+        # members that take the announce and never answer it (13 slow-walkers whose hosts were
+        # closing) cost the straggler wait, not the announce deadline (issue 24)
         async with trio.open_nursery() as announcing:
             for m in members:
                 announcing.start_soon(announce, m)
             with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
                 while not (waited := (announced | asked) - gone).issubset(done):
-                    if 2 * len(done) >= len(waited) and whole.deadline > (
+                    if done and 2 * len(done) >= len(announced - gone) and whole.deadline > (
                         cut := trio.current_time()
                         + max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
                     ):

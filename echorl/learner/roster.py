@@ -17,7 +17,8 @@ what a thousand fresh identities cost; these rules bound it by what is not free:
   not worked yet, the ones offered to fewest plans first, so every newcomer gets its turn and a
   newcomer that sits in plans without working yields its place (``plan_newcomers_capped``
   counts those left out; they still get every version by catch-up). The plan announcement is
-  then bounded whatever joins, and encoded once per broadcast.
+  then bounded whatever joins, and encoded once per broadcast. Only proven workers relay once
+  one is proven: the rest are leaves.
 * Time: a member that has never worked is dropped after ``idle_member_drop_s`` since its join,
   or ``dead_member_drop_s`` after it stopped answering (``members_dropped_idle``); an honest
   node that was dropped gets ``not_found`` on its next request and joins again.
@@ -111,7 +112,7 @@ class Roster:
                 continue
             load = self.book.loads.get(p.peer_id)
             worked = load.worked_at if load is not None else 0.0
-            if load is not None and load.on_time_in_row >= PROVEN_LEASES and now - worked <= WORK_RECENT_S:
+            if self.proven(p.peer_id) and now - worked <= WORK_RECENT_S:
                 continue
             rank = (worked, p.joined_at)
             if best is None or rank < best_key:
@@ -143,20 +144,28 @@ class Roster:
             p.offered_a_plan()
         return workers[: pol.plan_max_members] + take
 
+    def proven(self, peer_id: str) -> bool:
+        """Its last ``PROVEN_LEASES`` leases were answered in time (``learner/pace.py``)."""
+        load = self.book.loads.get(peer_id)
+        return load is not None and load.on_time_in_row >= PROVEN_LEASES
+
     def broadcast_nodes(self, live: list[PeerRecord]) -> list[NodeInfo]:
         """The nodes a version is broadcast to: the ``plan`` of the ``live`` members (alive, heard
-        from recently). Once some node has worked, newcomers are leaves: an identity that never
-        worked relays nothing to others."""
+        from recently). Once some worker is proven, only proven workers relay and the rest are
+        leaves (before that: every worker): an identity that worked once relays nothing to others,
+        so a crowd that answered one lease each and left at once (32 slow-walkers at the end of a
+        bench window) cuts no honest node's stripes (their recovery had held training 10 s)."""
         from echorl.broadcast.broadcaster import NodeInfo
 
         chosen = self.plan(live)
-        any_worker = any(p.is_worker for p in chosen)
+        relays = {p.peer_id for p in chosen if p.is_worker and self.proven(p.peer_id)}
+        relays = relays or {p.peer_id for p in chosen if p.is_worker}
         return [
             NodeInfo(
                 p.peer_id,
                 bool(p.capability.reachable),
                 tuple(p.capability.listen_addrs),
-                leaf=any_worker and not p.is_worker,
+                leaf=bool(relays) and p.peer_id not in relays,
             )
             for p in chosen
         ]

@@ -196,6 +196,8 @@ def test_a_member_that_never_answers_the_announce_is_left_out_like_a_silent_one(
             open_host(identity) as host,
             open_host(Identity.generate()) as good,
             open_host(Identity.generate()) as mute,
+            open_host(Identity.generate()) as mute2,
+            open_host(Identity.generate()) as mute3,
             open_host(Identity.generate()) as deaf,
             trio.open_nursery() as nursery,
         ):
@@ -203,14 +205,15 @@ def test_a_member_that_never_answers_the_announce_is_left_out_like_a_silent_one(
             bc.straggler_floor_s = 0.5
             bc.install()
             plan_member(good, nursery, host.peer_id, report=True, run_id=RUN)
-            mute.route(routes.ANNOUNCE, never, request=PlanAnnounce)
-            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, mute, deaf)]
-            with trio.fail_after(20):  # before: the mute member's 30 s announce deadline
+            for m in (mute, mute2, mute3):  # more mute members than reporting ones
+                m.route(routes.ANNOUNCE, never, request=PlanAnnounce)
+            nodes = [NodeInfo(h.peer_id, True, tuple(h.addrs)) for h in (good, mute, mute2, mute3, deaf)]
+            with trio.fail_after(20):  # before: the mute members' 30 s announce deadline
                 report = await bc.publish(1, save({"w": np.zeros(16, dtype=np.float32)}), nodes)
-            assert report.nodes == 3 and report.completed == [good.peer_id] and report.seconds < 5
+            assert report.nodes == 5 and report.completed == [good.peer_id] and report.seconds < 5
             for v in range(2, 5):
                 report = await bc.publish(v, save({"w": np.full(16, v, dtype=np.float32)}), nodes)
-                assert report.nodes == 1 and report.completed == [good.peer_id], v  # both left out
+                assert report.nodes == 1 and report.completed == [good.peer_id], v  # all left out
             nursery.cancel_scope.cancel()
 
     trio.run(main)
