@@ -462,12 +462,10 @@ class Broadcaster:
             for m in members:
                 announcing.start_soon(announce, m)
             with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
-                while not (waited := (announced | asked) - gone).issubset(done):
-                    if done and 2 * len(done) >= len(announced - gone) and whole.deadline > (
-                        cut := trio.current_time()
-                        + max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
-                    ):
-                        whole.deadline = cut  # half are done: the rest get a bounded wait, set once
+                while not ((announced | asked) - gone).issubset(done):
+                    wait = max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
+                    if done and 2 * len(done) >= len(announced - gone) and whole.deadline > trio.current_time() + wait:
+                        whole.deadline = trio.current_time() + wait  # half are done: the rest get a bounded wait
                     with trio.move_on_after(self.liveness_every_s):
                         await self._done_changed.wait()
                         continue
