@@ -32,7 +32,7 @@ from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.config import AdmissionFields
 from echorl.learner.leases import LeaseRecord
-from echorl.learner.pace import DEADLINE_FACTOR, LATE_FACTOR, MAX_DEADLINE_BASES, PROVEN_LEASES, FleetPace
+from echorl.learner.pace import DEADLINE_FACTOR, LATE_FACTOR, MAX_DEADLINE_BASES, FleetPace, is_proven
 from echorl.learner.peers import PeerBook, PeerLoad
 from echorl.protocol import limits
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -287,7 +287,7 @@ class Admission:
     def trusted(self, peer_id: str) -> bool:
         """Proven: its last ``PROVEN_LEASES`` leases were answered in time (it may hold
         ``max_leases_per_peer``; a fast opening answer alone proves nothing)."""
-        return self.load(peer_id).on_time_in_row >= PROVEN_LEASES
+        return is_proven(self.load(peer_id))
 
     def address_full(self, ip_key: str, held: Mapping[str, int]) -> bool:
         """Whether the members whose joins came from ``ip_key`` hold ``max_leases_per_ip`` leases

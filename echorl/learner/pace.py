@@ -64,6 +64,11 @@ MAX_DEADLINE_BASES = 20.0
 """The longest deadline, in base timeouts (``lease_timeout_s``)."""
 
 
+def is_proven(load: PeerLoad | None) -> bool:
+    """The one test of *proven*: the peer's last ``PROVEN_LEASES`` leases were answered in time."""
+    return load is not None and load.on_time_in_row >= PROVEN_LEASES
+
+
 class FleetPace:
     """The reference rate of the peer book's live members and the learner's step period."""
 
@@ -96,7 +101,7 @@ class FleetPace:
             load, key = self._load(p.peer_id), p.ip_key or p.peer_id
             if load.recent_per_s > 0:
                 best[key] = max(best.get(key, 0.0), load.recent_per_s)
-                if load.on_time_in_row >= PROVEN_LEASES:
+                if is_proven(load):
                     proven_best[key] = max(proven_best.get(key, 0.0), load.recent_per_s)
         rates = proven_best or best
         return statistics.median(rates.values()) if rates else 0.0
@@ -133,7 +138,7 @@ class FleetPace:
         open to them, so a newcomer can still prove itself, and is kept from a proven asker while
         ``newcomer_asking`` (an unproven peer asked for work recently; see the module docstring)."""
         own = self._load(peer_id)
-        proven = own.on_time_in_row >= PROVEN_LEASES
+        proven = is_proven(own)
         mine = own.recent_per_s if proven else 0.0  # unproven: ranks last
         unproven_out = any(self._unproven(holder) for holder, n in held.items() if n > 0)
         if not proven and not unproven_out:
@@ -144,13 +149,13 @@ class FleetPace:
             load = self.book.loads.get(p.peer_id)
             if p.peer_id == peer_id or load is None:
                 continue
-            if load.recent_per_s > mine and load.on_time_in_row >= PROVEN_LEASES and load.backoff_until <= now:
+            if load.recent_per_s > mine and is_proven(load) and load.backoff_until <= now:
                 have = held.get(p.peer_id, 0)
                 leases += max(0, max_leases - have) if crowd else int(have == 0)
         return leases * prompts_per_lease
 
     def _unproven(self, peer_id: str) -> bool:
-        return self._load(peer_id).on_time_in_row < PROVEN_LEASES
+        return not is_proven(self._load(peer_id))
 
     def _load(self, peer_id: str) -> PeerLoad:
         return self.book.loads.get(peer_id) or PeerLoad()

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from echorl.learner.config import RosterFields
-from echorl.learner.pace import PROVEN_LEASES
+from echorl.learner.pace import is_proven
 from echorl.learner.peers import PeerBook, PeerRecord
 from echorl.net.guard import ip_key
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -146,8 +146,7 @@ class Roster:
 
     def proven(self, peer_id: str) -> bool:
         """Its last ``PROVEN_LEASES`` leases were answered in time (``learner/pace.py``)."""
-        load = self.book.loads.get(peer_id)
-        return load is not None and load.on_time_in_row >= PROVEN_LEASES
+        return is_proven(self.book.loads.get(peer_id))
 
     def broadcast_nodes(self, live: list[PeerRecord]) -> list[NodeInfo]:
         """The nodes a version is broadcast to: the ``plan`` of the ``live`` members (alive, heard
