@@ -9,10 +9,13 @@ tiny default model. For each attack class in turn: a clean window (no attack) of
 seconds, then an attack window of the same length in which one hostile peer (or a crowd, for
 the Sybil flood and half-open connections) runs that class's attack in this process
 (``tests/hostile.py`` has the doubles), then the next clean window. Measured per window from the
-learner's metrics rows: honest goodput (rollout groups of the honest nodes accepted, per second)
-and optimizer steps per second. The baseline of an attack window is the mean of the clean
-windows just before and just after it, in the same learner run, so a drift of the machine's
-load or of the run itself (steps get faster as completions get shorter) is shared by both.
+learner's metrics rows: honest goodput (rollout groups of the honest nodes' accepted submissions,
+per second: ``per_node_groups_generated``) and optimizer steps per second. Not the groups *paid*
+(``per_node_groups``): a group whose samples all agree carries no signal and is not paid, and as
+the policy converges on addition that share grows (``zero_var_group_frac`` 0 → 0.56 in ten
+minutes), so paid groups per second fell ~3 × over a long run with no attack at all. The
+baseline of an attack window is the mean of the clean windows just before and just after it,
+in the same learner run, so a drift of the machine's load or of the run itself is shared by both.
 
 One JSON line per class (``--json``): ``attack``, ``goodput_ratio`` and ``steps_ratio``
 (attack / clean), ``clean_goodput``, ``attack_goodput``, ``clean_steps_per_s``,
@@ -513,12 +516,13 @@ async def bad_signature_flood(t: Target, seen: Counter, per_s: float = 50.0) -> 
 
 # --- the harness ------------------------------------------------------------------------------
 def honest_totals(swarm: Swarm, honest_short: set[str]) -> tuple[int, int]:
-    """(steps, honest groups accepted) of the learner's newest metrics row."""
+    """(steps, groups of the honest nodes' accepted submissions) of the learner's newest metrics row."""
     rows = [r for r in swarm.metrics() if r.get("step", 0) > 0]
     if not rows:
         return 0, 0
     last = rows[-1]
-    return int(last["step"]), sum(n for p, n in (last.get("per_node_groups") or {}).items() if p in honest_short)
+    accepted = last.get("per_node_groups_generated") or {}
+    return int(last["step"]), sum(n for p, n in accepted.items() if p in honest_short)
 
 
 #: the learner's counters reported per attack window (changed ones only): where its leases went

@@ -185,13 +185,19 @@ LEARNER_LABELLED: tuple[tuple[str, str, str, str, str], ...] = (
         "seconds of the newest completed broadcast of each kind (full, delta)",
     ),
     ("cost_by_part", "echorl_cost_total", "counter", "part", "cost so far (price x time), learner vs nodes"),
-    ("per_node_groups", "echorl_node_groups_accepted_total", "counter", "peer", "rollout groups accepted per node"),
+    (
+        "per_node_groups",
+        "echorl_node_groups_accepted_total",
+        "counter",
+        "peer",
+        "rollout groups accepted and paid per node (a group whose samples all agree carries no signal and is not paid)",
+    ),
     (
         "per_node_groups_generated",
         "echorl_node_groups_generated_total",
         "counter",
         "peer",
-        "rollout groups submitted per node",
+        "rollout groups of each node's accepted submissions, paid or not",
     ),
     ("per_node_rollouts_per_s", "echorl_node_rollouts_per_second", "gauge", "peer", "measured throughput per node"),
 )

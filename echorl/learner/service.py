@@ -153,15 +153,10 @@ class LearnerService:
 
     @property
     def counters(self) -> dict[str, int]:
-        """Every count of refusals and work: the checks', the police's, the admission's, and the
-        accepted submissions."""
-        return {
-            **self.checks.metrics(),
-            **self.submissions,
-            **self.admission.metrics(),
-            **self.police.counters,
-            **self.liveness.counters,
-        }
+        """Every count of refusals and work: the checks', the police's, the admission's, the liveness
+        sweep's, and the accepted submissions."""
+        parts = (self.checks.metrics(), self.submissions, self.admission.metrics(), self.police.counters)
+        return {k: v for part in (*parts, self.liveness.counters) for k, v in part.items()}
 
     def note_published(self, version: int, weights_bytes: int = 0) -> None:
         """A version is held for the fetch fallback and being broadcast: nodes may ask for it.
@@ -379,18 +374,24 @@ class LearnerService:
         return SubmitAccepted(lease_id=rec.lease_id, accepted=len(kept), version=self.version, receipt=receipt)
 
     async def _count_against(self, code: ErrorCode, sub: Submission) -> None:
-        """A stale result counts like an expiry; a bad signature is a strike (past the host's limit
-        the identity is struck off: forgotten, disconnected, its streams reset for ``ban_s``)."""
+        """A stale result counts like an expiry. A bad signature strikes the identity off at once:
+        an honest node's signatures always verify (authenticated stream, canonical encoding), and
+        each forged one costs the learner a maximal frame read before it is found out."""
         if code == ErrorCode.STALE_VERSION and sub.lease is not None:
             self.admission.on_expired(sub.peer_id)
-        elif code in (ErrorCode.BAD_SIGNATURE, ErrorCode.WRONG_SIGNER):
-            await self._strike_if_repeated(sub.peer_id, "bad signatures")
+        elif code in (ErrorCode.BAD_SIGNATURE, ErrorCode.WRONG_SIGNER) and (host := self.host) is not None:
+            host.strikes.strike_off(sub.peer_id, trio.current_time())
+            await self._struck_off(host, sub.peer_id, f"a submission refused {code.value}")
 
     async def _strike_if_repeated(self, peer_id: str, what: str) -> None:
-        """One refusal; past the host's strike limit the identity is struck off (see above)."""
-        if (host := self.host) is None or not host.strikes.refuse(peer_id, trio.current_time()):
-            return
-        log.warning("%s: repeated %s: struck off", short_id(peer_id), what)
+        """One refusal; past the host's strike limit the identity is struck off."""
+        if (host := self.host) is not None and host.strikes.refuse(peer_id, trio.current_time()):
+            await self._struck_off(host, peer_id, f"repeated {what}")
+
+    async def _struck_off(self, host: Host, peer_id: str, why: str) -> None:
+        """Struck off (streams reset for ``ban_s``): leases re-queued, membership forgotten (later
+        bodies unread), connection closed."""
+        log.warning("%s: %s: struck off", short_id(peer_id), why)
         self._requeue(self.leases.expire_peer(peer_id))
         self.peers.forget(peer_id)
         await host.disconnect(peer_id)

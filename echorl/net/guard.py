@@ -321,9 +321,13 @@ class RefusalStrikes:
         self._count[peer] = (start, n + 1)
         if n + 1 < self.limit:
             return False
+        self.strike_off(peer, now)
+        return True
+
+    def strike_off(self, peer: str, now: float) -> None:
+        """Strike ``peer`` off at once, for what no honest peer ever sends (a forged signature)."""
         self._count.pop(peer, None)
         if len(self._banned) >= self.max_peers:
             self._banned.pop(next(iter(self._banned)))
         self._banned[peer] = now + self.ban_s
         self.struck += 1
-        return True

@@ -409,11 +409,12 @@ def test_a_struck_stranger_does_not_ban_an_address_an_admitted_peer_shares(tiny)
     trio.run(main)
 
 
-def test_a_member_flooding_bad_signatures_is_struck_off(tiny) -> None:  # noqa: F811
+def test_a_member_flooding_bad_signatures_is_struck_off_at_its_first(tiny) -> None:  # noqa: F811
     """Issue 24, finding 6: a joined peer sent SUBMITs with bad signatures 50 times a second,
-    each read and verified, never a strike. Now each counts toward the host's strike limit;
-    past it the identity is forgotten (its bodies are no longer read), disconnected, and its
-    leases re-queued."""
+    each read and verified, never a strike. Then each counted toward the host's strike limit
+    (32 maximal frames read per identity: the flood of fresh identities still cost 0.67–0.83 of
+    clean goodput). No honest node's signature fails, so the first strikes the identity off:
+    forgotten (its bodies are no longer read), disconnected, its leases re-queued."""
     from swarm import signed_submit
 
     from echorl.net.host import RemoteError
@@ -437,9 +438,9 @@ def test_a_member_flooding_bad_signatures_is_struck_off(tiny) -> None:  # noqa: 
                     codes.append(exc.code.value)
                 except Exception:  # reset, disconnected, or refused at the connection
                     codes.append("cut")
-            n = host.strikes.limit - 1  # the limit-th strikes it off: that reply is cut, like every later one
-            assert codes[:n] == ["bad_signature"] * n and set(codes[n:]) == {"cut"}, codes
+            assert set(codes) == {"cut"}, codes  # the first strikes it off before its reply is written
             assert host.strikes.struck == 1 and me.peer_id not in svc.peers
+            assert svc.checks.counters["rollouts_rejected_invalid"] == 1  # one body read, not 32
             assert not svc.leases.active  # its lease went back to the queue
 
     trio.run(main)
