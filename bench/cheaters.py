@@ -23,7 +23,11 @@ CPU, declared: checked with the bf16 row).
 Lines: one per class (``cheat``, ``submissions_checked``, ``detected_frac``, ``flagged_after``:
 the expected submissions until a cheat from the start is caught, its first ``NEWCOMER_CHECKS``
 all checked and the rest at the default check fraction; ``p_caught_within_3`` for it, and
-``p_caught_within_3_turned`` for one that turns after its newcomer checks), one per honest
+``p_caught_within_3_turned`` for one that turns after its newcomer checks; and against the
+honest float32 node's submission for the same lease and seed: ``submissions_differing`` (any
+token differs), ``detected_frac_of_differing``, ``passed_identical_frac`` (of the submissions that
+passed, those token for token the honest one), ``differing_max_gap_min`` (the smallest largest
+gap of a differing submission), ``samples_per_differing_submission`` (of its G × prompts)), one per honest
 engine (``honest``, ``samples_checked``, ``submissions_checked``, ``false_flags``,
 ``position_miss_rate``), one with ``verify_cpu_frac`` (replay CPU per submission × the check
 fraction / generation CPU per submission) and ``throughput_ratio`` (seeded vs today's sampler,
@@ -170,24 +174,52 @@ CLASSES = (
 )
 
 
+def honest_tokens(lab: Lab, prompts: list[Any], seed: int) -> list[list[list[int]]]:
+    """The tokens an honest float32 node submits for the lease (prompts, seed): the policy's
+    seeded samples, same batch (``lab.rng`` is not drawn from, so the leases stay the same)."""
+    return _tokens(lab.policy.generate([p.text for p in prompts], G, lab.params, seed=0, sampling_seed=seed))
+
+
 def run_class(
     lab: Lab, name: str, leases: int, gaps: list[float] | None = None, declare: str = "float32"
 ) -> dict[str, Any]:
-    detected = 0
+    detected = differing = caught_differing = passed_identical = samples_differing = 0
+    differing_gaps: list[float] = []  # each differing submission's largest gap
     for _ in range(leases):
         prompts, seed = lab.lease()
-        groups = lab.groups(prompts, cheat(lab, name, prompts, seed))
+        samples = cheat(lab, name, prompts, seed)
+        groups = lab.groups(prompts, samples)
         res = lab.checker.check_sync(groups, 0, "torch", declare, lab.proof(prompts, seed))
         detected += not res.sampled
+        mine, honest = _tokens(samples), honest_tokens(lab, prompts, seed)
+        differs = mine != honest  # anywhere, in any sample
+        differing += differs
+        samples_differing += sum(a != b for ga, gb in zip(mine, honest) for a, b in zip(ga, gb))
+        caught_differing += differs and not res.sampled
+        passed_identical += res.sampled and not differs
+        if differs:
+            differing_gaps.append(res.max_gap)
         if gaps is not None:
             gaps.extend(lab.checker.replay_gaps(groups, 0, lab.proof(prompts, seed)) or [])
     d = detected / leases
     per_submission = CHECK_FRACTION * d
+    passed = leases - detected
     return {
         "cheat": name,
         "declared_dtype": declare,
         "submissions_checked": leases,
         "detected_frac": round(d, 4),
+        # against the honest float32 node's submission for the same lease and seed: how many of the
+        # cheat's submissions differ from it (any token), how many of those were caught, and how
+        # many of the submissions that passed were token for token the honest one
+        "submissions_differing": differing,
+        "detected_frac_of_differing": round(caught_differing / differing, 4) if differing else None,
+        "passed_identical_frac": round(passed_identical / passed, 4) if passed else None,
+        # the smallest largest-gap of a differing submission (a strict bound below it would have
+        # caught every one) and how many differing submissions had their largest gap under 1e-3
+        "samples_per_differing_submission": round(samples_differing / differing, 2) if differing else None,
+        "differing_max_gap_min": round(min(differing_gaps), 6) if differing_gaps else None,
+        "differing_max_gap_below_1e-3": sum(g <= 1e-3 for g in differing_gaps),
         "flagged_after": round(expected_until_caught(CHECK_FRACTION, d), 1) if d else None,
         "p_caught_within_3": round(p_caught_within(3, CHECK_FRACTION, d), 4),
         "p_caught_within_3_turned": round(1 - (1 - per_submission) ** 3, 4),

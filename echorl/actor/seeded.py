@@ -84,6 +84,16 @@ def sample_key(seed: int, sample: int) -> int:
     return _mix_int(k ^ ((sample * SAMPLE_SALT) & MASK32))
 
 
+def derived_seed(run_seed: int, *parts: int) -> int:
+    """A 63-bit lease seed derived from a run's seed and integers naming the lease (train-local's
+    trusted actors: reproducible run to run; the network learner draws its seeds secretly
+    instead, ``learner/leases.py``)."""
+    import hashlib
+
+    text = ":".join(str(int(x)) for x in (run_seed, *parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8, person=b"echorl-lease").digest(), "big") >> 1
+
+
 def row_key(seed: int, sample: int, position: int) -> int:
     """The 32-bit key of (lease seed, sample index, position)."""
     return _mix_int(sample_key(seed, sample) ^ ((position * POSITION_SALT) & MASK32))

@@ -37,6 +37,9 @@ class Lease:
     params: SamplingParams
     min_version: int = 0
     env: tuple[str, dict[str, Any]] | None = None  # episodic task: (spec, options); prompts carry env seeds
+    # seeded sampling (actor/seeded.py), as a network node samples a lease: train-local derives it
+    # from the run's seed, the version and the lease id, so which actor takes a lease changes nothing
+    sampling_seed: int | None = None
 
 
 @dataclass
@@ -102,9 +105,11 @@ def _sync_weights(backend: Any, weights_dir: Path, delay_s: float) -> None:
 
 
 def _rollouts(backend: Any, lease: Lease, envs: dict[str, Any], seed: int) -> list[list[Any]]:
-    """G samples per prompt: completions, or episodes when the lease names an environment."""
+    """G samples per prompt: completions, or episodes when the lease names an environment; seeded
+    by ``lease.sampling_seed`` when it has one (``seed``, the actor's own, is then unused)."""
     if lease.env is None:
-        return backend.generate([p.text for p in lease.prompts], lease.group_size, lease.params, seed=seed)
+        texts = [p.text for p in lease.prompts]
+        return backend.generate(texts, lease.group_size, lease.params, seed=seed, sampling_seed=lease.sampling_seed)
     from echorl.tasks import load_task
 
     from .episodes import run_episodes
@@ -117,7 +122,15 @@ def _rollouts(backend: Any, lease: Lease, envs: dict[str, Any], seed: int) -> li
     seeds = [int(p.meta["env_seed"]) for p in lease.prompts]
     overrides = [p.meta.get("env_options") for p in lease.prompts]
     return run_episodes(
-        backend, task, seeds, lease.group_size, lease.params, task.max_episode_tokens, seed, env_options=overrides
+        backend,
+        task,
+        seeds,
+        lease.group_size,
+        lease.params,
+        task.max_episode_tokens,
+        seed,
+        lease.sampling_seed,
+        env_options=overrides,
     )[1]
 
 

@@ -75,6 +75,11 @@ class ProofTolerance:
 #: float32 nodes showed no position with a gap above 1e-4 in 34,813 (10,048 samples); bf16 CPU
 #: nodes 0.1 % of positions above 0.1 and none above 0.31, i.e. ~0.2 misses in a 223-position
 #: submission against the 3 allowed. GPU kernels (TF32, vLLM) are not measured here.
+#: What the strict row lets through is near-ties: a node with weights rounded to bf16 / int8 that
+#: declares float32 passes a checked submission only where it is the honest float32 node's
+#: submission token for token (76 % / 82 % of its passes) or differs by flips of ties within the
+#: gap; 62 % / 79 % of its submissions that differ from the honest one are caught, and no gap
+#: bound catches them all (one differed with no gap above 6e-5) (docs/threat-model.md).
 PROOF = ProofTolerance(gap=0.01, miss_fraction=0.0, miss_slack=0)
 PROOF_LOOSE = ProofTolerance(gap=0.1, miss_fraction=0.005, miss_slack=2)
 

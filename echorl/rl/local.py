@@ -9,7 +9,11 @@ summary. Heavy imports stay inside functions so ``--help`` is fast.
 
 The training itself is the learner peer's loop, built by the same builder (``rl/build.py``:
 the same κ, leasable version, in-flight bound, evaluation, metrics row and checkpoint);
-:class:`ActorSource` is its rollout source here.
+:class:`ActorSource` is its rollout source here. The actors sample every lease seeded
+(``actor/seeded.py``, as a network node samples a lease's ``sampling_seed``), the seed derived
+from ``--seed``, the learner's version and the lease id: the samples of a lease do not depend on
+which actor takes it, so a run whose versions are leased in a fixed order (``--staleness 0``)
+repeats its metrics rows exactly.
 ``busy_fraction`` = time inside ``train_step`` + publishing, divided by the wall time since the
 first step minus the time spent on held-out evaluation.
 """
@@ -303,6 +307,7 @@ class ActorSource:
                 raise RuntimeError("all actor processes exited")
 
     def _lease_more(self) -> None:
+        from echorl.actor.seeded import derived_seed
         from echorl.actor.worker import Lease
 
         buffer = self.loop.buffer
@@ -312,7 +317,8 @@ class ActorSource:
             prompts = buffer.next_prompts(self.loop.task, min(self.cfg.lease_prompts, room))
             self.lease_id += 1
             self.leases[self.lease_id] = (prompts, time.time() + self.cfg.lease_timeout_s)
-            self.lease_q.put(Lease(self.lease_id, prompts, self.cfg.group_size, params, min_version, self.env))
+            seed = derived_seed(self.cfg.seed, self.loop.version, self.lease_id)  # the same samples run to run
+            self.lease_q.put(Lease(self.lease_id, prompts, self.cfg.group_size, params, min_version, self.env, seed))
 
     def _results(self, timeout: float) -> list[LeaseResult]:
         """Every result waiting in the queue (blocking up to ``timeout`` for the first)."""
