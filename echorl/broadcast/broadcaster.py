@@ -88,6 +88,7 @@ from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import mapped, write_at
 from echorl.broadcast.silence import SilentMembers
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
+from echorl.broadcast.uplinks import UplinkMeter
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter, listen_ip
@@ -217,6 +218,7 @@ class Broadcaster:
         self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
         self.silence = SilentMembers()  # members left out of the next plans for not reporting
         self._drop: set[str] = set()  # reported and did not complete: left out next time
+        self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
 
     def install(self) -> None:
         self.server.install_serving()
@@ -411,9 +413,14 @@ class Broadcaster:
                 continue
             demoted = n.leaf or self._demote.get(n.peer_id, -1) >= self._n_pub
             pushes = True if self.nat_push and not n.reachable and not demoted else None
+            weight = self.uplinks.weight(n.peer_id) if n.reachable or pushes else None
             members.append(
                 PlanMember(
-                    peer_id=n.peer_id, reachable=n.reachable and not demoted, addrs=list(n.addrs)[:16], pushes=pushes
+                    peer_id=n.peer_id,
+                    reachable=n.reachable and not demoted,
+                    addrs=list(n.addrs)[:16],
+                    pushes=pushes,
+                    weight=None if demoted else weight,
                 )
             )
             if n.addrs:
@@ -477,6 +484,7 @@ class Broadcaster:
         self.silence.note(version, {m.peer_id for m in members} - gone - set(done), set(done), self._n_pub)
 
         completed = sorted(p for p, d in done.items() if d.ok)
+        self.uplinks.note(state.plan, manifest, done, self._n_pub)
         if completed and len(completed) == len(members):
             self.deadlines.meter.add(manifest.payload_bytes, seconds)
         suspects = sorted({s for d in done.values() for s in d.suspects})
