@@ -316,7 +316,7 @@ class Relay:
                 else:
                     await trio.to_thread.run_sync(state.verify, msg.digest, msg.data)
                 await state.put(msg.digest, msg.data, body)
-                state.note_streamed(s, len(msg.data))
+                state.note_streamed(s, len(msg.data), source.transit_s)
                 if state.stripe_complete(s):
                     return
             if not state.stripe_complete(s):

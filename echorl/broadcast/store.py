@@ -186,7 +186,7 @@ class VersionState:
         self.started = time.monotonic()
         self._opened = False
         self._open_lock = trio.Lock()
-        self._streamed: dict[int, list[float]] = {}  # stripe -> [first chunk at, bytes since, seconds]
+        self._streamed: dict[int, list[float]] = {}  # stripe -> [transit at first chunk, bytes, seconds since]
 
     async def open(self) -> None:
         """Create the payload file (its full size, sparse) before the first chunk (once: the
@@ -248,16 +248,17 @@ class VersionState:
         self.have[:] = b"\x01" * self.n
         self._wake()
 
-    def note_streamed(self, s: int, nbytes: int) -> None:
-        """A chunk of ``nbytes`` of stripe ``s`` came from its plan parent (timed from the first)."""
-        now = time.perf_counter()
-        entry = self._streamed.setdefault(s, [now, -nbytes, 0.0])
+    def note_streamed(self, s: int, nbytes: int, transit_s: float) -> None:
+        """A chunk of ``nbytes`` of stripe ``s`` came from its plan parent, whose stream has
+        been in transit ``transit_s`` so far (each frame's first byte to its last; the waits
+        between frames, a parent waiting for its own feed, do not count)."""
+        entry = self._streamed.setdefault(s, [transit_s, -nbytes, 0.0])
         entry[1] += nbytes
-        entry[2] = now - entry[0]
+        entry[2] = transit_s - entry[0]
 
     def streams(self) -> list[StreamRate] | None:
-        """What came from each plan parent, per stripe, after its first chunk
-        (``BroadcastDone.streams``; None: no stripe got past its first chunk from a parent)."""
+        """What came from each plan parent, per stripe, after its first chunk, and its frames'
+        transit seconds (``BroadcastDone.streams``; None: no stripe got past its first chunk)."""
         out = [
             StreamRate(stripe=s, bytes=int(b), seconds=t) for s, (_, b, t) in sorted(self._streamed.items()) if b > 0
         ]

@@ -1,13 +1,17 @@
 """The learner's measurement of each member's relaying upload: the plan's weights (issue 27).
 
 A relay's uplink is what its plan children received from it, timed by them: each child reports
-per stripe the bytes that came from its plan parent after the first chunk and the seconds they
-took (``BroadcastDone.streams``). The learner takes a report only from a member that completed
+per stripe the bytes that came from its plan parent after the first chunk and the seconds their
+frames were in transit, each frame's first byte to its last (``BroadcastDone.streams``). The
+waits between frames are left out: a relay forwards no faster than it is fed, but each chunk,
+once it has it, goes out at its uplink's share, so a relay whose feed is slow is not measured
+as slow (timing the whole stream would: a fast relay under a slow one would look slow and never
+be given the slots to show otherwise). The learner takes a report only from a member that completed
 the version, only about that member's own parent in that stripe (the plan says who), and bounds
 it where it enters: bytes at most the stripe's (from the signed manifest), seconds at least
 ``MIN_SECONDS``. A parent's rate for one version is Σ bytes / max seconds over its reported
-streams (they run side by side), averaged with the previous one; it is kept ``KEEP_FOR``
-publications without a new one. ``weight`` is that rate in ``WEIGHT_UNIT`` steps on a
+streams (they run side by side, sharing its uplink), averaged with the last one; it is kept
+``KEEP_FOR`` publications without a new one. ``weight`` is that rate in ``WEIGHT_UNIT`` steps on a
 quarter-octave ladder, in [1, ``MAX_WEIGHT``]; a peer not measured gets None, which the
 planner reads as the median weight.
 A member never states its own uplink, and a weight earns nothing: it only sets how many child

@@ -391,8 +391,9 @@ class Subscribe(Message):
 
 
 class StreamRate(WireModel):
-    """One stripe as it came from the reporter's plan parent: the bytes after the first chunk
-    and the seconds since that chunk arrived (the learner's measure of the parent's upload)."""
+    """One stripe as it came from the reporter's plan parent: the bytes after the first chunk and
+    the seconds their frames were in transit, first byte to last of each (waits between frames
+    left out): the learner's measure of the parent's upload."""
 
     stripe: Annotated[int, Field(ge=0, le=64)]
     bytes: Count

@@ -112,3 +112,38 @@ def test_a_broadcast_measures_its_relays_and_the_next_plan_carries_their_weights
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_stream_s_transit_time_leaves_out_the_waits_between_frames():
+    """A parent fed slowly waits 5 s before each frame, then sends it in 0.1 s: the child times
+    0.1 s a frame, what the parent's uplink took, not the 5.1 s its feed did."""
+    from trio.testing import MockClock
+
+    from echorl.net.transport.base import FramedStream
+    from echorl.protocol import wire
+
+    class SlowlyFed:
+        def __init__(self, bodies: list[bytes]) -> None:
+            self.parts: list[tuple[float, bytes]] = []
+            for body in bodies:
+                frame = wire.frame(body)
+                self.parts += [(5.0, frame[:3]), (0.1, frame[3:])]
+
+        async def read(self, n: int) -> bytes:
+            if not self.parts:
+                return b""
+            delay, data = self.parts[0]
+            await trio.sleep(delay)
+            self.parts[0] = (0.0, data[n:])
+            if not data[n:]:
+                self.parts.pop(0)
+            return data[:n]
+
+    async def main() -> tuple[float, float, int]:
+        stream = FramedStream(SlowlyFed([b"x" * 1000] * 3), io_timeout=30.0)
+        t0 = trio.current_time()
+        got = [body async for body in stream.frames(first_byte_timeout=10.0)]
+        return trio.current_time() - t0, stream.transit_s, len(got)
+
+    wall, transit, n = trio.run(main, clock=MockClock(autojump_threshold=0))
+    assert n == 3 and wall == pytest.approx(15.3) and transit == pytest.approx(0.3)
