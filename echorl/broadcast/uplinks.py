@@ -9,9 +9,10 @@ as slow (timing the whole stream would: a fast relay under a slow one would look
 be given the slots to show otherwise). The learner takes a report only from a member that completed
 the version, only about that member's own parent in that stripe (the plan says who), and bounds
 it where it enters: bytes at most the stripe's (from the signed manifest), seconds at least
-``MIN_SECONDS``. A parent's rate for one version is Σ bytes / max seconds over its reported
-streams (they run side by side, sharing its uplink), averaged with the last one; it is kept
-``KEEP_FOR`` publications without a new one. ``weight`` is that rate in ``WEIGHT_UNIT`` steps on a
+``MIN_SECONDS``. A parent's rate for one version is its reported streams' count × their
+median rate (the lower median: they run side by side, sharing its uplink, so honest children
+see about the same rate, and a minority of lying ones moves neither way), averaged with the
+last one; it is kept ``KEEP_FOR`` publications without a new one. ``weight`` is that rate in ``WEIGHT_UNIT`` steps on a
 quarter-octave ladder, in [1, ``MAX_WEIGHT``]; a peer not measured gets None, which the
 planner reads as the median weight.
 A member never states its own uplink, and a weight earns nothing: it only sets how many child
@@ -21,6 +22,7 @@ slots a relay has (at most ``MAX_COPIES`` copies of a version, ``protocol/plan.p
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 
 from echorl.protocol.messages import BroadcastDone, Manifest
@@ -59,7 +61,7 @@ class UplinkMeter:
         """Fold one version's reports (``done``: member → its report) into the rates."""
         sizes = stripe_bytes(manifest, len(plan.stripes))
         parents = [s.parent_of() for s in plan.stripes]
-        sent: dict[str, list[float]] = {}  # parent -> [bytes, longest seconds]
+        sent: dict[str, list[float]] = {}  # parent -> the rates its children timed
         for child, report in done.items():
             if not report.ok:
                 continue
@@ -69,11 +71,9 @@ class UplinkMeter:
                 if parent is None or parent == plan.learner or st.stripe in seen:
                     continue
                 seen.add(st.stripe)
-                acc = sent.setdefault(parent, [0.0, MIN_SECONDS])
-                acc[0] += min(st.bytes, sizes[st.stripe])
-                acc[1] = max(acc[1], st.seconds)
-        for parent, (nbytes, seconds) in sent.items():
-            rate = min(nbytes / seconds, MAX_WEIGHT * WEIGHT_UNIT)
+                sent.setdefault(parent, []).append(min(st.bytes, sizes[st.stripe]) / max(st.seconds, MIN_SECONDS))
+        for parent, rates in sent.items():
+            rate = min(len(rates) * statistics.median_low(rates), MAX_WEIGHT * WEIGHT_UNIT)
             old = self.rate.get(parent) if n_pub - self.at.get(parent, n_pub) < self.keep_for else None
             self.rate[parent] = rate if old is None else (old + rate) / 2
             self.at[parent] = n_pub

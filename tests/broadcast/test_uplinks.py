@@ -45,16 +45,19 @@ def test_a_relay_s_rate_is_what_its_children_timed_bounded_and_only_from_its_own
     meter = UplinkMeter()
     done = {
         kids[0]: _done(True, (0, 3 * CHUNK, 1.0)),
-        kids[1]: _done(True, (0, 10**12, 0.0)),  # claims a petabyte at once: capped, floored
+        kids[1]: _done(True, (0, 10**12, 0.0)),  # claims a petabyte at once: capped, floored, outvoted
         outsider: _done(True, (0, 3 * CHUNK, 0.001)),  # about its own parent, not ``relay``
         root: _done(True, (0, 3 * CHUNK, 0.001)),  # its parent is the learner: nobody measured
     }
     meter.note(plan, manifest, done, n_pub=1)
-    assert meter.rate[relay] == pytest.approx((3 * CHUNK + 4 * CHUNK) / 1.0)
+    assert meter.rate[relay] == pytest.approx(2 * 3 * CHUNK / 1.0)  # 2 streams × the lower median
     parent_of_outsider = plan.stripes[0].parent_of()[outsider]
     assert set(meter.rate) == {relay, parent_of_outsider}  # the root's report names the learner: unused
     assert meter.rate[parent_of_outsider] == pytest.approx(3 * CHUNK / MIN_SECONDS)
-    assert meter.weight(relay) == weight_of(7 * CHUNK)
+    assert meter.weight(relay) == weight_of(6 * CHUNK)
+    alone = UplinkMeter()  # the liar alone: bounded by the stripe's bytes and the floor
+    alone.note(plan, manifest, {kids[1]: done[kids[1]]}, n_pub=1)
+    assert alone.rate[relay] == pytest.approx(4 * CHUNK / MIN_SECONDS)
     assert meter.weight("never-measured") is None
 
     failed = UplinkMeter()  # a report of a version not verified counts for nothing
@@ -62,7 +65,7 @@ def test_a_relay_s_rate_is_what_its_children_timed_bounded_and_only_from_its_own
     assert failed.rate == {}
 
     meter.note(plan, manifest, {kids[0]: _done(True, (0, 3 * CHUNK, 3.0))}, n_pub=2)  # averaged
-    assert meter.rate[relay] == pytest.approx((7 * CHUNK + CHUNK) / 2)
+    assert meter.rate[relay] == pytest.approx((6 * CHUNK + CHUNK) / 2)
     meter.note(plan, manifest, {}, n_pub=2 + KEEP_FOR)  # nothing new for KEEP_FOR publications
     assert meter.weight(relay) is None
 
