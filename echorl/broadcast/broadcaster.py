@@ -36,7 +36,9 @@ fetches versions by catch-up meanwhile. A member that has never reported any ver
 of the next 2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
 While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
 waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
-so consecutive versions use the same edges and reuse connections.
+so consecutive versions use the same edges and reuse connections. Each member that may relay
+carries a weight, its upload as its plan children timed it in earlier versions
+(``broadcast/uplinks.py``, never its own claim): the planner gives it child slots in proportion.
 
 Node: see ``broadcast/relay.py`` (``Relay(host, learner_peer_id, run_id, on_version=...)``,
 ``install()``, ``await run()`` in a nursery, ``await catch_up()``).
