@@ -221,6 +221,7 @@ class Broadcaster:
         self.silence = SilentMembers()  # members left out of the next plans for not reporting
         self._drop: set[str] = set()  # reported and did not complete: left out next time
         self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
+        self.weigh = True  # False: plans without the weights (still measured; bench/netlab.py compares)
 
     def install(self) -> None:
         self.server.install_serving()
@@ -415,7 +416,7 @@ class Broadcaster:
                 continue
             demoted = n.leaf or self._demote.get(n.peer_id, -1) >= self._n_pub
             pushes = True if self.nat_push and not n.reachable and not demoted else None
-            weight = self.uplinks.weight(n.peer_id) if n.reachable or pushes else None
+            weight = self.uplinks.weight(n.peer_id) if self.weigh and (n.reachable or pushes) else None
             members.append(
                 PlanMember(
                     peer_id=n.peer_id,
