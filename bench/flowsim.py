@@ -8,7 +8,9 @@ Pure Python, deterministic for a seed, no sockets. The peers' uplinks are drawn 
 between ``--uplink-mbps`` and ``--uplink-max-mbps`` (an assumption, see docs/broadcast-notes.md
 "Flow-level simulator"), each downlink ``--down-ratio`` × its uplink (0: unlimited), a fraction
 ``--nat`` behind NAT (``PlanMember.pushes``, as the learner announces them). The real
-``plan_broadcast`` builds the plan; then:
+``plan_broadcast`` builds the plan, each member weighted by its uplink (``PlanMember.weight``,
+``uplinks.weight_of``: what the learner holds once every relay's children timed it, issue 27;
+``--no-weights``: k child slots each, as before); then:
 
 - **Rates** (fluid, constant per edge): a parent's uplink is shared max-min fairly across all
   its child streams in every stripe (the ``UploadLimiter`` is one FIFO bucket that every child
@@ -38,7 +40,8 @@ distribution time"; it ignores NAT, so it is also a bound with NAT); ``ratio``; 
 = max over uploaders of copiesᵢ·W/uᵢ (this plan's busiest uplink, the netlab's
 ``topology_bound_seconds`` for uneven uplinks); ``plan_build_s`` and ``announce_s`` (CPU
 seconds: ``plan_broadcast``; building, signing and encoding the ``PlanAnnounce``);
-``announce_bytes``.
+``announce_bytes``; and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
+``baseline_plan_bound_s``: the same peers planned without weights (``--no-baseline`` skips them).
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit
 
 from echorl.broadcast.recovery import IN_FLIGHT, PEERS_ASKED
+from echorl.broadcast.uplinks import weight_of
 from echorl.protocol.identity import peer_id_from_public_key
 from echorl.protocol.plan import BroadcastPlan, PlanPeer, auto_chunk_bytes, plan_broadcast
 
@@ -124,9 +128,12 @@ def _water_fill(capacity: float, caps: list[float]) -> list[float]:
 Edge = tuple[int, str, str]  # (stripe, parent, child)
 
 
-def edge_rates(plan: BroadcastPlan, up: dict[str, float], down: dict[str, float]) -> dict[Edge, float]:
+def edge_rates(
+    plan: BroadcastPlan, up: dict[str, float], down: dict[str, float], fed: bool = True
+) -> dict[Edge, float]:
     """Each stream's steady rate (bytes/s): fair share of the parent's uplink, capped by the
-    rate the parent receives that stripe and by the child's downlink share; a fixed point."""
+    rate the parent receives that stripe (unless not ``fed``: the rate while a frame is in
+    transit, what a child times) and by the child's downlink share; a fixed point."""
     out_edges: dict[str, list[Edge]] = {}
     n_in: dict[str, int] = {}
     for s in plan.stripes:
@@ -141,7 +148,7 @@ def edge_rates(plan: BroadcastPlan, up: dict[str, float], down: dict[str, float]
         for p, edges in out_edges.items():
             caps = []
             for s, _p, c in edges:
-                into = INF if p == plan.learner else rate.get((s, parent[(s, p)], p), INF)
+                into = INF if p == plan.learner or not fed else rate.get((s, parent[(s, p)], p), INF)
                 caps.append(min(into, down[c] / n_in[c]))
             new.update(zip(edges, _water_fill(up[p], caps)))
         if new == rate:
@@ -232,6 +239,38 @@ def with_churn(
     return done, len(cut)
 
 
+def measured_versions(
+    plain: list[PlanPeer], peers: list[Peer], learner_up: float, size: int, chunk: int, args: argparse.Namespace
+) -> list[float]:
+    """Seconds of ``--measured-versions`` + 1 versions without churn, the first planned without
+    weights, each next one with the weights the real ``UplinkMeter`` holds from what every child
+    would have reported (``BroadcastDone.streams``: per stripe, the bytes after the first chunk
+    and the seconds their frames were in transit: at the parent's uplink share, capped by the
+    child's downlink share, not by the parent's feed)."""
+    from echorl.broadcast.uplinks import UplinkMeter
+    from echorl.protocol.messages import BroadcastDone, ChunkRef, Manifest, StreamRate
+
+    up = {p.peer_id: p.up for p in peers} | {LEARNER: learner_up}
+    down = {p.peer_id: p.down for p in peers}
+    refs = [ChunkRef.model_construct(size=min(chunk, size - i)) for i in range(0, size, chunk)]
+    manifest = Manifest.model_construct(chunks=refs)
+    meter, members, out = UplinkMeter(), plain, []
+    for n_pub in range(args.measured_versions + 1):
+        plan = plan_broadcast(LEARNER, members, args.fanout, args.seed)
+        sizes = stripe_bytes(size, chunk, len(plan.stripes))
+        times = pipeline(plan, edge_rates(plan, up, down), sizes, chunk, args.hop_ms / 1000)
+        out.append(max(t[2] for t in times.values()))
+        streams: dict[str, list[StreamRate]] = {}
+        for (s, _parent, child), r in edge_rates(plan, up, down, fed=False).items():
+            sent = sizes[s] - min(chunk, sizes[s])
+            if sent > 0:
+                streams.setdefault(child, []).append(StreamRate.model_construct(stripe=s, bytes=sent, seconds=sent / r))
+        reports = {c: BroadcastDone.model_construct(ok=True, streams=v) for c, v in streams.items()}
+        meter.note(plan, manifest, reports, n_pub)
+        members = [replace(q, weight=meter.weight(q.peer_id)) if q.reachable or q.pushes else q for q in plain]
+    return out
+
+
 def _addr(i: int) -> str:
     """A distinct IPv4 listen address for member ``i`` (what a member announces: one addr)."""
     return f"/ip4/10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}/tcp/4001"
@@ -260,7 +299,13 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
     manifest = wire.sign(manifest, ident)
     t0 = time.process_time()
     members = [
-        PlanMember(peer_id=p.peer_id, reachable=p.reachable, addrs=[_addr(i)], pushes=True if p.pushes else None)
+        PlanMember(
+            peer_id=p.peer_id,
+            reachable=p.reachable,
+            addrs=[_addr(i)],
+            pushes=True if p.pushes else None,
+            weight=p.weight,
+        )
         for i, p in enumerate(plan_peers)
     ]
     fields = dict(
@@ -314,21 +359,27 @@ def simulate(args: argparse.Namespace) -> dict:
     chunk = int(args.chunk_kb * 1024) or auto_chunk_bytes(size, len(peers), args.fanout)
     # a peer announced as a leaf (NodeInfo.leaf) is PlanPeer(reachable=False, pushes=False)
     slow = {p.peer_id for p in peers if p.up < args.leaf_below_mbps * MBIT}
-    plan_peers = [
+    plain = [
         PlanPeer(
             p.peer_id, p.reachable and p.peer_id not in slow, not (p.reachable or args.nat_leaves or p.peer_id in slow)
         )
         for p in peers
     ]
-    t0 = time.process_time()
-    plan = plan_broadcast(LEARNER, plan_peers, args.fanout, args.seed)
-    plan_build_s = time.process_time() - t0
+    # the weights a learner holds after one version: each relay's upload as its children timed it
+    weighted = [replace(q, weight=weight_of(p.up)) if q.reachable or q.pushes else q for q, p in zip(plain, peers)]
+    plan_peers = plain if args.no_weights else weighted
     learner_up = (args.learner_mbps or args.uplink_mbps) * MBIT
-    predicted, no_churn, recovered = delivery(
-        plan, peers, learner_up, size, chunk, hop_s=args.hop_ms / 1000, churn=args.churn, seed=args.seed
-    )
     up = {p.peer_id: p.up for p in peers} | {LEARNER: learner_up}
     bound = lower_bound(size, learner_up, peers)
+
+    def run(members: list[PlanPeer]) -> tuple[BroadcastPlan, float, tuple[float, float, int]]:
+        t0 = time.process_time()
+        plan = plan_broadcast(LEARNER, members, args.fanout, args.seed)
+        built = time.process_time() - t0
+        hop = args.hop_ms / 1000
+        return plan, built, delivery(plan, peers, learner_up, size, chunk, hop_s=hop, churn=args.churn, seed=args.seed)
+
+    plan, plan_build_s, (predicted, no_churn, recovered) = run(plan_peers)
     out = {
         "peers": len(peers),
         "nat_peers": sum(not p.reachable for p in peers),
@@ -336,6 +387,7 @@ def simulate(args: argparse.Namespace) -> dict:
         "bytes": size,
         "chunk_bytes": chunk,
         "fanout": args.fanout,
+        "weights": "none" if args.no_weights else "uplink",
         "depth": plan.depth,
         "uplink_mbps": [args.uplink_mbps, max(args.uplink_mbps, args.uplink_max_mbps)],
         "learner_mbps": learner_up / MBIT,
@@ -347,6 +399,19 @@ def simulate(args: argparse.Namespace) -> dict:
         "streams_recovered": recovered,
         "plan_build_s": round(plan_build_s, 3),
     }
+    if not (args.no_weights or args.no_baseline):  # the same peers with every relay given k slots
+        base, _, (b_predicted, _, _) = run(plain)
+        out.update(
+            {
+                "baseline_ratio": round(b_predicted / bound, 3),
+                "baseline_predicted_s": round(b_predicted, 3),
+                "baseline_depth": base.depth,
+                "baseline_plan_bound_s": round(plan_bound(base, size, up), 3),
+            }
+        )
+    if args.measured_versions > 0:  # the weights the learner measures, version after version
+        seconds = measured_versions(plain, peers, learner_up, size, chunk, args)
+        out["measured_ratios"] = [round(t / bound, 3) for t in seconds]
     if not args.no_announce:
         cpu, nbytes, valid = announce_cost(plan_peers, size, chunk, args.fanout)
         out.update({"announce_s": round(cpu, 3), "announce_bytes": nbytes, "announce_within_limits": valid})
@@ -375,6 +440,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hop-ms", type=float, default=0.0, help="one-way latency per plan edge")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-announce", action="store_true", help="skip measuring the announcement")
+    ap.add_argument("--no-weights", action="store_true", help="every relay k slots (no uplink weights)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unweighted plan's figures")
+    ap.add_argument(
+        "--measured-versions",
+        type=int,
+        default=0,
+        help="also plan V more versions with the weights the learner measures (UplinkMeter), without churn",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.peers < 1 or not 0 <= args.nat <= 1 or not 0 <= args.churn < 1 or args.size_mb <= 0:

@@ -13,7 +13,11 @@ children, ``broadcast/push.py``), nodes_received,
 nat_nodes_received and learner_upload_copies (bytes leaving the learner's interface during the
 timed version, TCP/Noise overhead included, / W). Targets: all receive, tree ≤ 1.3 × bound,
 copies ≤ 1.25. ``--compare`` also times a version with NAT'd nodes as plain leaves (the
-``*_nat_leaves`` keys: the baseline, same run).
+``*_nat_leaves`` keys: the baseline, same run). ``--uplink-max-mbps M``: each node's cap drawn
+log-uniformly in [``--uplink-mbps``, M] (``--seed``), the learner's M, each node paced at the same
+fraction of its own cap, and the lower bound max(W/B_learner, N·W/(B_learner + Σ uᵢ));
+``--compare-weights`` first times a version planned without uplink weights (the
+``*_unweighted`` keys), then one with the weights the learner measured (issue 27).
 
 Train mode: ``echorl learner`` and ``echorl node`` processes; prints eval_reward_start,
 eval_reward_end (the learner's held-out evaluation), nodes_contributing and
@@ -76,9 +80,13 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                 line = await trio.to_thread.run_sync(sys.stdin.readline)
                 nodes = [NodeInfo(n["peer_id"], n["reachable"], tuple(n["addrs"])) for n in json.loads(line)]
                 out: dict = {"event": "result"}
-                # NAT'd nodes pushing to reachable children (the default), then as plain leaves
-                for nat_push, (warm, timed), suffix in ((True, (1, 2), ""), (False, (3, 4), "_nat_leaves")):
-                    bc.nat_push = nat_push
+                # NAT'd nodes pushing to reachable children (the default), then as plain leaves;
+                # with --compare-weights first planned without the weights the learner measures
+                runs = [(True, False, "_unweighted")] if args.compare_weights else []
+                runs += [(True, True, "")] + ([(False, True, "_nat_leaves")] if args.compare else [])
+                for i, (nat_push, weigh, suffix) in enumerate(runs):
+                    warm, timed = 2 * i + 1, 2 * i + 2
+                    bc.nat_push, bc.weigh = nat_push, weigh
                     await bc.publish(warm, fake_safetensors(size, warm + 2), nodes)  # dials every edge
                     await trio.sleep(0.5)
                     data = fake_safetensors(size, timed)
@@ -95,6 +103,7 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                         t - samples[0][0] for t, n in samples if n - before >= 0.99 * sent
                     )
                     plan = bc._plans[timed]
+                    weights = {m.peer_id: m.weight for m in bc.server.states[timed].announce.members}
                     out.update(
                         {
                             f"tree_seconds{suffix}": tree.seconds,
@@ -103,10 +112,10 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                             f"chunk_bytes{suffix}": bc.server.states[timed].manifest.chunk_bytes,
                             f"learner_tx_bytes{suffix}": sent,
                             f"busiest_node_copies{suffix}": max(plan.upload_copies(n.peer_id) for n in nodes),
+                            f"copies{suffix}": [round(plan.upload_copies(n.peer_id), 2) for n in nodes],
+                            f"weights{suffix}": [weights.get(n.peer_id) for n in nodes],
                         }
                     )
-                    if not args.compare:
-                        break
                 out.update({"bytes": len(data)})
                 print(json.dumps(out), flush=True)
                 nursery.cancel_scope.cancel()
@@ -141,6 +150,7 @@ def broadcaster_argv(args: argparse.Namespace) -> list[str]:
         "--pace-mbps",
         str(args.pace_mbps),
         *(["--compare"] if getattr(args, "compare", False) else []),
+        *(["--compare-weights"] if getattr(args, "compare_weights", False) else []),
     ]
 
 
@@ -179,20 +189,37 @@ def _json_line(proc: subprocess.Popen, event: str, timeout: float) -> dict:
     raise RuntimeError(f"no {event!r} line from {proc.args}")
 
 
+def uplink_caps(args: argparse.Namespace) -> list[float]:
+    """Each node's tbf cap (Mbit/s): all ``--uplink-mbps``, or log-uniform up to ``--uplink-max-mbps``."""
+    import math
+    import random
+
+    lo, hi = args.uplink_mbps, max(args.uplink_mbps, args.uplink_max_mbps)
+    rng = random.Random(args.seed)
+    return [round(math.exp(rng.uniform(math.log(lo), math.log(hi))), 2) if hi > lo else lo for _ in range(args.nodes)]
+
+
 def run_broadcast(lab, args: argparse.Namespace) -> dict:
-    learner = lab.add_peer("learner")
+    caps = uplink_caps(args)
+    learner_cap = max(args.uplink_mbps, args.uplink_max_mbps)
+    learner = lab.add_peer("learner", uplink_mbps=learner_cap)
     peers = [
-        lab.add_peer(f"nat-{i}", nat=True) if i < args.nat else lab.add_peer(f"pub-{i}") for i in range(args.nodes)
+        lab.add_peer(f"nat-{i}", nat=True, uplink_mbps=caps[i])
+        if i < args.nat
+        else lab.add_peer(f"pub-{i}", uplink_mbps=caps[i])
+        for i in range(args.nodes)
     ]
+    pace = args.pace_mbps / args.uplink_mbps  # each peer paced at this fraction of its own cap
+    learner_args = argparse.Namespace(**{**vars(args), "pace_mbps": round(pace * learner_cap, 3)})
     bc = subprocess.Popen(
-        learner.cmd(*broadcaster_argv(args)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+        learner.cmd(*broadcaster_argv(learner_args)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
     )
     learner.procs.append(bc)
     addr = _json_line(bc, "ready", 120)["addr"]
     relays = []
-    for p in peers:
+    for p, cap in zip(peers, caps):
         proc = subprocess.Popen(
-            p.cmd(*relay_argv(addr, args.no_direct, args.pace_mbps)),
+            p.cmd(*relay_argv(addr, args.no_direct, round(pace * cap, 3))),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -211,21 +238,24 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
     res = _json_line(bc, "result", args.timeout * 2 + 60)
     receiver_seconds = sorted(_version_time(proc, t0) for _, proc in relays)
     nat_ids = {n["peer_id"] for n, (p, _) in zip(nodes, relays) if p.nat}
-    rate = args.uplink_mbps * 1e6 / 8
-    bound = res["bytes"] / rate
+    learner_rate = learner_cap * 1e6 / 8
+    total = learner_rate + sum(c * 1e6 / 8 for c in caps)
+    bound = max(res["bytes"] / learner_rate, args.nodes * res["bytes"] / total)  # Kumar & Ross
     for _, proc in relays:
         proc.stdin.close()  # type: ignore[union-attr]
     out = {
         "nodes": args.nodes,
         "nat_nodes": args.nat,
         "uplink_mbps": args.uplink_mbps,
+        "uplinks_mbps": caps,
         "bytes": res["bytes"],
         "fanout": args.fanout,
         "chunk_kb": res["chunk_bytes"] / 1024,
         "pace_mbps": args.pace_mbps,
         "load_average_1m": os.getloadavg()[0],
     }
-    for suffix in ("", "_nat_leaves") if args.compare else ("",):
+    suffixes = ("_unweighted",) * args.compare_weights + ("",) + ("_nat_leaves",) * args.compare
+    for suffix in suffixes:
         tree = res[f"tree_seconds{suffix}"]
         out.update(
             {
@@ -233,7 +263,15 @@ def run_broadcast(lab, args: argparse.Namespace) -> dict:
                 f"tree_seconds{suffix}": round(tree, 3),
                 f"tree_over_lower_bound{suffix}": round(tree / bound, 3),
                 # the plan's busiest node uploads this many copies at its own uplink
-                f"topology_bound_seconds{suffix}": round(bound * max(1.0, res[f"busiest_node_copies{suffix}"]), 3),
+                f"topology_bound_seconds{suffix}": round(
+                    max(
+                        res["bytes"] / learner_rate,
+                        *(res["bytes"] * c / (u * 1e6 / 8) for c, u in zip(res[f"copies{suffix}"], caps)),
+                    ),
+                    3,
+                ),
+                f"copies{suffix}": res[f"copies{suffix}"],
+                f"weights{suffix}": res[f"weights{suffix}"],
                 f"nodes_received{suffix}": len(res[f"completed{suffix}"]),
                 f"nat_nodes_received{suffix}": len(nat_ids & set(res[f"completed{suffix}"])),
                 f"learner_upload_copies{suffix}": round(res[f"learner_tx_bytes{suffix}"] / res["bytes"], 3),
@@ -386,6 +424,15 @@ def main() -> None:
         "--compare",
         action="store_true",
         help="also time a version with NAT'd nodes as plain leaves (the *_nat_leaves keys)",
+    )
+    ap.add_argument(
+        "--uplink-max-mbps", type=float, default=0.0, help="nodes' caps log-uniform up to this (the learner's)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="draws the nodes' caps")
+    ap.add_argument(
+        "--compare-weights",
+        action="store_true",
+        help="first time a version planned without uplink weights (the *_unweighted keys)",
     )
     ap.add_argument("--train", action="store_true", help="train with echorl learner/node processes instead")
     ap.add_argument("--steps", type=int, default=200)

@@ -36,7 +36,9 @@ fetches versions by catch-up meanwhile. A member that has never reported any ver
 of the next 2^6 plans at its first miss: a silent newcomer has no record that would earn it the doubling.
 While waiting, the learner pings pending nodes every ``liveness_every_s``; a dead one is not
 waited for (and is left out of the next plan). The plan seed is fixed per Broadcaster (``seed``)
-so consecutive versions use the same edges and reuse connections.
+so consecutive versions use the same edges and reuse connections. Each member that may relay
+carries a weight, its upload as its plan children timed it in earlier versions
+(``broadcast/uplinks.py``, never its own claim): the planner gives it child slots in proportion.
 
 Node: see ``broadcast/relay.py`` (``Relay(host, learner_peer_id, run_id, on_version=...)``,
 ``install()``, ``await run()`` in a nursery, ``await catch_up()``).
@@ -88,6 +90,7 @@ from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import mapped, write_at
 from echorl.broadcast.silence import SilentMembers
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
+from echorl.broadcast.uplinks import UplinkMeter
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter, listen_ip
@@ -217,6 +220,8 @@ class Broadcaster:
         self._demote: dict[str, int] = {}  # reported but completed: a leaf until this publication
         self.silence = SilentMembers()  # members left out of the next plans for not reporting
         self._drop: set[str] = set()  # reported and did not complete: left out next time
+        self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
+        self.weigh = True  # False: plans without the weights (still measured; bench/netlab.py compares)
 
     def install(self) -> None:
         self.server.install_serving()
@@ -411,9 +416,14 @@ class Broadcaster:
                 continue
             demoted = n.leaf or self._demote.get(n.peer_id, -1) >= self._n_pub
             pushes = True if self.nat_push and not n.reachable and not demoted else None
+            weight = self.uplinks.weight(n.peer_id) if self.weigh and (n.reachable or pushes) else None
             members.append(
                 PlanMember(
-                    peer_id=n.peer_id, reachable=n.reachable and not demoted, addrs=list(n.addrs)[:16], pushes=pushes
+                    peer_id=n.peer_id,
+                    reachable=n.reachable and not demoted,
+                    addrs=list(n.addrs)[:16],
+                    pushes=pushes,
+                    weight=None if demoted else weight,
                 )
             )
             if n.addrs:
@@ -477,6 +487,7 @@ class Broadcaster:
         self.silence.note(version, {m.peer_id for m in members} - gone - set(done), set(done), self._n_pub)
 
         completed = sorted(p for p, d in done.items() if d.ok)
+        self.uplinks.note(state.plan, manifest, done, self._n_pub)
         if completed and len(completed) == len(members):
             self.deadlines.meter.add(manifest.payload_bytes, seconds)
         suspects = sorted({s for d in done.values() for s in d.suspects})

@@ -58,6 +58,10 @@ class PushedSource(ChunkStream):
         self._stream = slot.stream
         self.io_timeout = slot.stream.io_timeout
 
+    @property
+    def transit_s(self) -> float:  # type: ignore[override]
+        return self._stream.transit_s
+
     def frames(self, first_byte_timeout: float, frame_timeout: float | None = None) -> AsyncIterator[bytes]:
         return self._stream.frames(first_byte_timeout, min(self.io_timeout, frame_timeout or self.io_timeout))
 

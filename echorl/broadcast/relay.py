@@ -244,6 +244,7 @@ class Relay:
             recovered_chunks=recovered[0],
             suspects=sorted(suspects)[:64],
             detail=detail[:1000],
+            streams=state.streams(),
         )
         for _ in range(3):
             try:
@@ -315,6 +316,7 @@ class Relay:
                 else:
                     await trio.to_thread.run_sync(state.verify, msg.digest, msg.data)
                 await state.put(msg.digest, msg.data, body)
+                state.note_streamed(s, len(msg.data), source.transit_s)
                 if state.stripe_complete(s):
                     return
             if not state.stripe_complete(s):

@@ -31,7 +31,7 @@ from echorl.broadcast.files import ChunkCache, create_file, read_at, write_at
 from echorl.protocol import delta as delta_mod
 from echorl.protocol import snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
-from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce
+from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce, StreamRate
 from echorl.protocol.plan import BroadcastPlan, PlanPeer, Stripe, plan_broadcast
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
@@ -47,7 +47,7 @@ def plan_of(ann: PlanAnnounce) -> BroadcastPlan:
     if ann.shape == "star":
         peers = tuple(sorted(m.peer_id for m in ann.members))
         return BroadcastPlan(learner, max(len(peers), 1), (Stripe(0, {learner: peers}),), peers)
-    peers = [PlanPeer(m.peer_id, m.reachable, bool(m.pushes)) for m in ann.members]
+    peers = [PlanPeer(m.peer_id, m.reachable, bool(m.pushes), m.weight) for m in ann.members]
     return plan_broadcast(learner, peers, ann.fanout, ann.seed, striped=ann.shape == "striped")
 
 
@@ -186,6 +186,7 @@ class VersionState:
         self.started = time.monotonic()
         self._opened = False
         self._open_lock = trio.Lock()
+        self._streamed: dict[int, list[float]] = {}  # stripe -> [transit at first chunk, bytes, seconds since]
 
     async def open(self) -> None:
         """Create the payload file (its full size, sparse) before the first chunk (once: the
@@ -246,6 +247,22 @@ class VersionState:
         self._opened = True
         self.have[:] = b"\x01" * self.n
         self._wake()
+
+    def note_streamed(self, s: int, nbytes: int, transit_s: float) -> None:
+        """A chunk of ``nbytes`` of stripe ``s`` came from its plan parent, whose stream has
+        been in transit ``transit_s`` so far (each frame's first byte to its last; the waits
+        between frames, a parent waiting for its own feed, do not count)."""
+        entry = self._streamed.setdefault(s, [transit_s, -nbytes, 0.0])
+        entry[1] += nbytes
+        entry[2] = transit_s - entry[0]
+
+    def streams(self) -> list[StreamRate] | None:
+        """What came from each plan parent, per stripe, after its first chunk, and its frames'
+        transit seconds (``BroadcastDone.streams``; None: no stripe got past its first chunk)."""
+        out = [
+            StreamRate(stripe=s, bytes=int(b), seconds=t) for s, (_, b, t) in sorted(self._streamed.items()) if b > 0
+        ]
+        return out or None
 
     def _wake(self) -> None:
         self._changed.set()

@@ -53,16 +53,21 @@ async def read_exact(stream: Any, n: int, *, at_boundary: bool = False) -> bytes
     return b"".join(parts)
 
 
-async def read_frame(stream: Any, *, max_bytes: int, first_byte_timeout: float, io_timeout: float) -> bytes:
+async def read_frame(
+    stream: Any, *, max_bytes: int, first_byte_timeout: float, io_timeout: float, began: list[float] | None = None
+) -> bytes:
     """One frame's body. Waits up to ``first_byte_timeout`` for the header (idle time), then
-    ``io_timeout`` for the rest. Raises ``CleanEnd``, ``IdleTimeout`` (a ``trio.TooSlowError``:
-    no header in time), ``Truncated``, ``trio.TooSlowError`` (a frame begun but not finished) or
+    ``io_timeout`` for the rest; ``began`` gets the time (``trio.current_time``) its first byte
+    came. Raises ``CleanEnd``, ``IdleTimeout`` (a ``trio.TooSlowError``: no header in time),
+    ``Truncated``, ``trio.TooSlowError`` (a frame begun but not finished) or
     ``ProtocolError(OVERSIZED)`` (announced length above ``max_bytes``, nothing read for it)."""
     try:
         with trio.fail_after(first_byte_timeout):
             first = await read_exact(stream, 1, at_boundary=True)
     except trio.TooSlowError:
         raise IdleTimeout(f"no frame within {first_byte_timeout:.1f} s") from None
+    if began is not None:
+        began.append(trio.current_time())
     with trio.fail_after(io_timeout):
         header = first + await read_exact(stream, wire.FRAME_HEADER.size - 1)
         length = wire.frame_length(header, max_bytes)

@@ -33,6 +33,7 @@ from .fields import (  # Message is re-exported: handlers import it from here
     Version,
     WireModel,
 )
+from .plan import MAX_WEIGHT
 
 # --- membership --------------------------------------------------------------------------------
 PROBE_ENGINE = "doctor"  # Capability.engine of `echorl doctor`'s join: it reads weights, is never a node
@@ -346,13 +347,16 @@ class Error(Message):
 # --- broadcast (broadcast/broadcaster.py, broadcast/relay.py) ---------------------------------------------
 class PlanMember(OptionalFieldsModel):
     """``pushes``: not reachable, but may relay by dialling out to reachable children and
-    pushing its stripe to them (a node behind NAT); None = a leaf unless reachable."""
+    pushing its stripe to them (a node behind NAT); None = a leaf unless reachable. ``weight``:
+    its upload as the learner measured it (``broadcast/uplinks.py``); child slots are shared in
+    proportion (``plan.relay_slots``); None = the median of the members' weights."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("pushes",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("pushes", "weight")
     peer_id: PeerId
     reachable: bool  # may be interior (others can dial it)
     addrs: Annotated[list[Addr], Field(max_length=16)]  # where its children dial it
     pushes: bool | None = None
+    weight: Annotated[int, Field(ge=0, le=MAX_WEIGHT)] | None = None
 
 
 class PlanAnnounce(Message):
@@ -386,10 +390,22 @@ class Subscribe(Message):
     stripe: Annotated[int, Field(ge=0, le=64)]
 
 
-class BroadcastDone(Message):
-    """Node → learner: ``version`` is applied and verified (``ok``) or given up; ``suspects``
-    are parents that sent bad chunks or stalled past the deadline."""
+class StreamRate(WireModel):
+    """One stripe as it came from the reporter's plan parent: the bytes after the first chunk and
+    the seconds their frames were in transit, first byte to last of each (waits between frames
+    left out): the learner's measure of the parent's upload."""
 
+    stripe: Annotated[int, Field(ge=0, le=64)]
+    bytes: Count
+    seconds: NonNegFinite
+
+
+class BroadcastDone(Message, OptionalFieldsModel):
+    """Node → learner: ``version`` is applied and verified (``ok``) or given up; ``suspects``
+    are parents that sent bad chunks or stalled past the deadline; ``streams`` (optional): what
+    came from each plan parent, per stripe."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("streams",)
     type: Literal["broadcast_done"] = "broadcast_done"
     run_id: RunId
     version: Version
@@ -398,6 +414,7 @@ class BroadcastDone(Message):
     recovered_chunks: Count  # chunks fetched outside the plan
     suspects: Annotated[list[PeerId], Field(max_length=64)]
     detail: Text
+    streams: Annotated[list[StreamRate], Field(max_length=64)] | None = None
 
 
 class BroadcastAck(Message):

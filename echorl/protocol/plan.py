@@ -16,11 +16,19 @@ a stripe's group is short, it borrows spare child slots of peers whose stripes n
 (each peer has k slots in all = one copy); when reachable peers are too few, parents exceed
 their slots, and as a last resort the learner adopts the remaining peers directly.
 ``striped=False`` gives a single pipelined k-ary tree.
+
+Uplink weights (``PlanPeer.weight``, the learner's measurement of each relay's upload, never a
+peer's claim): the k·R child slots of the R peers that may relay are shared in proportion to
+their weights (``relay_slots``: at most ``MAX_COPIES`` copies each; weight 0 or a share under
+one slot: a leaf); groups are filled to balance their slots, each group fastest first (shallow),
+and a peer may put all its slots into its one stripe. Equal weights (or none) give the plan
+above exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +39,7 @@ class PlanPeer:
     peer_id: str
     reachable: bool = True
     pushes: bool = False  # unreachable, but dials out to reachable children (ignored if reachable)
+    weight: int | None = None  # relative uplink, 0..MAX_WEIGHT; None: the median of those given
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class BroadcastPlan:
 
 
 AUTO_CHUNK_MIN = 64 * 1024
+MAX_WEIGHT = 2**16 - 1  # a weight is an integer in [0, MAX_WEIGHT] (PlanMember.weight)
+MAX_COPIES = 8  # no peer is given more than MAX_COPIES · k child slots (8 copies of a version)
 AUTO_CHUNK_MAX = 1024 * 1024
 
 
@@ -116,6 +127,65 @@ def _shuffled(peers: list[PlanPeer], seed: int) -> list[PlanPeer]:
     return sorted(peers, key=key)
 
 
+def relay_slots(peers: list[PlanPeer], fanout: int) -> dict[str, int]:
+    """Child slots across all stripes of each peer that may relay (reachable or pushing). With
+    no weights, or all equal, k each (one copy of the snapshot). Else the k·R slots of the R
+    such peers go in proportion to weight: the reachable ones get their weights' share, but at
+    least k per unreachable member (those hang under reachable parents only), the pushers the
+    rest, each pool shared by ``_divide``. A missing weight is the (lower) median of those
+    given; a weight is clamped to [0, ``MAX_WEIGHT``]."""
+    relays = [p for p in peers if p.reachable or p.pushes]
+    given = sorted(min(max(p.weight, 0), MAX_WEIGHT) for p in relays if p.weight is not None)
+    default = given[(len(given) - 1) // 2] if given else 1
+    weight = {p.peer_id: default if p.weight is None else min(max(p.weight, 0), MAX_WEIGHT) for p in relays}
+    if len(set(weight.values())) <= 1 and default > 0:
+        return dict.fromkeys(weight, fanout)
+    reach = [p.peer_id for p in relays if p.reachable]
+    push = [p.peer_id for p in relays if not p.reachable]
+    total, w_reach, w_all = fanout * len(relays), sum(weight[p] for p in reach), sum(weight.values())
+    n_unreachable = sum(not p.reachable for p in peers)
+    if w_all == w_reach:
+        t_reach = total
+    else:
+        t_reach = min(total, max(total * w_reach // w_all, fanout * n_unreachable)) if w_reach else 0
+    cap = MAX_COPIES * fanout
+    return _divide(reach, weight, t_reach, cap) | _divide(push, weight, total - t_reach, cap)
+
+
+def _divide(members: list[str], weight: dict[str, int], total: int, cap: int) -> dict[str, int]:
+    """``total`` slots among ``members`` by greatest divisors (D'Hondt: each next slot to the
+    member with the largest weight / (its slots + 1); ties: the earlier in ``members``), which
+    makes the largest slots / weight as small as it can be; at most ``cap`` each. It starts
+    from ⌊total · weight / Σ weight⌋ (capped), which every such division gives at least. The
+    quotients are compared as floats: exact here (weights < 2¹⁶, slots ≤ 8 · 64)."""
+    w_sum = sum(weight[p] for p in members)
+    if w_sum == 0 or total <= 0:
+        return dict.fromkeys(members, 0)
+    slots = {p: min(total * weight[p] // w_sum, cap) for p in members}
+    heap = [(-weight[p] / (slots[p] + 1), i, p) for i, p in enumerate(members) if slots[p] < cap and weight[p]]
+    heapq.heapify(heap)
+    for _ in range(total - sum(slots.values())):
+        if not heap:
+            break
+        _, i, p = heapq.heappop(heap)
+        slots[p] += 1
+        if slots[p] < cap:
+            heapq.heappush(heap, (-weight[p] / (slots[p] + 1), i, p))
+    return slots
+
+
+def _grouped(members: list[str], slots: dict[str, int], n_groups: int) -> list[list[str]]:
+    """Each member (in order) to the group with the fewest slots so far (ties: the lowest
+    index), then each group by slots, most first (stable): round-robin when slots are equal."""
+    groups: list[list[str]] = [[] for _ in range(n_groups)]
+    held = [0] * n_groups
+    for p in members:
+        j = min(range(n_groups), key=lambda g: (held[g], g))
+        groups[j].append(p)
+        held[j] += slots[p]
+    return [sorted(g, key=lambda p: -slots[p]) for g in groups]
+
+
 def plan_broadcast(
     learner: str, peers: list[PlanPeer], fanout: int, seed: int = 0, striped: bool = True
 ) -> BroadcastPlan:
@@ -129,19 +199,20 @@ def plan_broadcast(
     # With fewer peers than the fan-out, one stripe per peer: each root then serves all the
     # others directly (depth 2, (n−1)/n copies) instead of borrowing spare slots into a chain.
     n_stripes = min(fanout, len(order)) if striped and len(order) > 1 else 1
-    reachable = [p.peer_id for p in order if p.reachable]
-    pushers = [p.peer_id for p in order if not p.reachable and p.pushes]
+    # Child slots each peer has across all stripes (k = one copy of the snapshot); 0: a leaf.
+    budget = {p: n for p, n in relay_slots(order, fanout).items() if n > 0}
+    reachable = [p.peer_id for p in order if p.reachable and p.peer_id in budget]
+    pushers = [p.peer_id for p in order if not p.reachable and p.peer_id in budget]
     unreachable = frozenset(p.peer_id for p in order if not p.reachable)
     # every group gets reachable peers and pushers alike: a pusher needs reachable neighbours
-    groups = [reachable[j::n_stripes] + pushers[j::n_stripes] for j in range(n_stripes)]
-    # Child slots each peer has left across all stripes: k slots = one copy of the snapshot.
-    budget = {p: fanout * n_stripes if n_stripes == 1 else fanout for p in reachable + pushers}
+    groups = [r + q for r, q in zip(_grouped(reachable, budget, n_stripes), _grouped(pushers, budget, n_stripes))]
+    cap = dict(budget)  # children a peer may take in one stripe: all its slots (k unless weighted)
     needed = math.ceil(max(len(order) - 1, 0) / fanout)  # parents needed in a full k-ary stripe
     stripes: dict[int, Stripe] = {}
     # Stripes whose own group suffices go first; short ones then borrow leftover slots.
-    for j in sorted(range(n_stripes), key=lambda j: (len(groups[j]) < needed, j)):
-        interior = _interior_for_stripe(groups, j, len(order), fanout, budget, set(stripes), unreachable)
-        stripes[j] = _build_stripe(j, learner, order, interior, fanout, budget, unreachable)
+    for j in sorted(range(n_stripes), key=lambda j: (sum(budget[p] for p in groups[j]) < needed * fanout, j)):
+        interior = _interior_for_stripe(groups, j, len(order), cap, budget, set(stripes), unreachable)
+        stripes[j] = _build_stripe(j, learner, order, interior, cap, budget, unreachable)
     return BroadcastPlan(learner, fanout, tuple(stripes[j] for j in range(n_stripes)), tuple(sorted(ids)), unreachable)
 
 
@@ -149,7 +220,7 @@ def _interior_for_stripe(
     groups: list[list[str]],
     j: int,
     n_peers: int,
-    fanout: int,
+    cap: dict[str, int],
     budget: dict[str, int],
     built: set[int],
     unreachable: frozenset[str] = frozenset(),
@@ -162,10 +233,10 @@ def _interior_for_stripe(
     interior = list(groups[j])
 
     def slots(p: str) -> int:
-        return min(max(budget[p], 0), fanout) or fanout  # exhausted peers exceed budget
+        return min(max(budget[p], 0), cap[p]) or cap[p]  # exhausted peers exceed budget
 
-    shortfall = max(n_peers - 1, 0) - sum(min(budget[p], fanout) for p in interior)
-    short_reachable = len(unreachable) - sum(min(budget[p], fanout) for p in interior if p not in unreachable)
+    shortfall = max(n_peers - 1, 0) - sum(min(budget[p], cap[p]) for p in interior)
+    short_reachable = len(unreachable) - sum(min(budget[p], cap[p]) for p in interior if p not in unreachable)
     own = set(interior)
     candidates = sorted(
         (p in unreachable, g not in built, -budget[p], i, p)
@@ -194,12 +265,13 @@ def _build_stripe(
     learner: str,
     order: list[PlanPeer],
     interior: list[str],
-    fanout: int,
+    cap: dict[str, int],
     budget: dict[str, int],
     unreachable: frozenset[str] = frozenset(),
 ) -> Stripe:
     """Breadth-first placement: interior peers first (shallow), each parent taking up to its
-    remaining slots (at most k); if slots run out, parents exceed their budget (up to k here),
+    remaining slots (at most its ``cap``, k unless weighted); if slots run out, parents exceed
+    their budget (up to their cap here),
     and only then does the learner adopt the rest. With pushers among the interior, a reachable
     root, then pushers and reachable peers in turn (``_alternate``), and unreachable leaves
     before reachable ones (they can only hang under reachable parents; pushers take the rest)."""
@@ -214,7 +286,7 @@ def _build_stripe(
     if placement[0] not in interior_set:  # nobody can relay: the learner serves everyone itself
         return Stripe(j, {learner: tuple(placement)})
     children: dict[str, list[str]] = {learner: [placement[0]]}
-    slots = _Slots(children, fanout, budget, unreachable)
+    slots = _Slots(children, cap, budget, unreachable)
     unplaced = slots.place(placement[1:], [placement[0]], interior_set, strict=True)
     if unplaced:
         relays = [p for p in placement if p in interior_set and p not in unplaced]
@@ -240,13 +312,13 @@ class _Slots:
     parents, pushers) so that an unreachable peer only ever gets a reachable parent."""
 
     def __init__(
-        self, children: dict[str, list[str]], fanout: int, budget: dict[str, int], unreachable: frozenset[str]
+        self, children: dict[str, list[str]], cap: dict[str, int], budget: dict[str, int], unreachable: frozenset[str]
     ) -> None:
-        self.children, self.fanout, self.budget, self.unreachable = children, fanout, budget, unreachable
+        self.children, self.cap, self.budget, self.unreachable = children, cap, budget, unreachable
 
     def _room(self, parent: str, strict: bool) -> bool:
         mine = len(self.children.get(parent, ()))
-        return mine < self.fanout and (not strict or self.budget[parent] > 0)
+        return mine < self.cap[parent] and (not strict or self.budget[parent] > 0)
 
     def place(self, peers: list[str], parents: list[str], interior: set[str], strict: bool) -> list[str]:
         """Attach ``peers`` in order to the first compatible parent with room (a pusher, for a

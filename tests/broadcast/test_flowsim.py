@@ -99,3 +99,29 @@ def test_same_seed_same_prediction_and_a_cut_stream_waits_stall_s():
         out.pop("plan_build_s")
     assert one == two and one["streams_recovered"] > 0
     assert one["predicted_s"] >= flowsim.STALL_S and one["ratio"] >= 1
+
+
+def test_uplink_weights_bring_uneven_uplinks_near_the_bound_and_leave_even_ones_alone():
+    """Issue 27: with child slots in proportion to the uplinks (5–100 Mbit/s, half NAT'd) the
+    prediction is a fraction of the one with k slots each; equal uplinks give equal weights,
+    so the very same plan and figure."""
+    argv = ["--peers", "60", "--size-mb", "64", "--no-announce"]
+    uneven = flowsim.simulate(flowsim.parse_args(argv))
+    assert uneven["weights"] == "uplink" and uneven["baseline_ratio"] > 6
+    assert uneven["ratio"] < 0.3 * uneven["baseline_ratio"] and uneven["ratio"] < 1.8
+    assert uneven["plan_bound_s"] < uneven["baseline_plan_bound_s"] / 3
+    off = flowsim.simulate(flowsim.parse_args([*argv, "--no-weights"]))
+    assert off["ratio"] == uneven["baseline_ratio"] and "baseline_ratio" not in off
+    even = flowsim.simulate(flowsim.parse_args([*argv, "--uplink-mbps", "20", "--uplink-max-mbps", "0"]))
+    assert even["ratio"] == even["baseline_ratio"] and even["depth"] == even["baseline_depth"]
+
+
+def test_weights_the_learner_measures_reach_the_uplink_weights_figure_in_one_version():
+    """Planned with what the real ``UplinkMeter`` makes of the children's transit timings, the
+    second version is already near the plan weighted by the true uplinks (the first has none)."""
+    out = flowsim.simulate(
+        flowsim.parse_args(["--peers", "60", "--size-mb", "64", "--no-announce", "--measured-versions", "2"])
+    )
+    first, *later = out["measured_ratios"]
+    assert first == out["baseline_ratio"]
+    assert all(r < 0.3 * first and r < 1.2 * out["ratio"] for r in later)

@@ -74,6 +74,13 @@ def test_unreachable_nodes_push_their_stripes_to_reachable_children(direct):
         plan = bc._plans[2]
         nat = [n.peer_id for n in nodes if not n.reachable]
         assert all(plan.upload_copies(p) > 0 for p in nat)  # the plan uses their uplinks
+        for r in relays:  # a pushed stripe's frames are timed in transit too (issue 27: the weights)
+            state = r.server.states[2]
+            timed = {x.stripe: x for x in state.streams() or ()}
+            for s, parent in state.parents.items():
+                if parent in nat:
+                    assert timed[s].bytes > 0 and timed[s].seconds > 0, (s, timed)
+        assert all(bc.uplinks.weight(p) is not None for p in nat)
         pushers = [r for r, n in zip(relays, nodes) if not n.reachable]
         assert all(r.pusher.pushed_streams > 0 for r in pushers)
         assert (

@@ -30,6 +30,7 @@ class ChunkStream(ABC):
     """One open chunk stream, at either end."""
 
     io_timeout: float  # one frame once its first byte arrived / one paced slice written
+    transit_s: float = 0.0  # read so far: seconds from each frame's first byte to its last
 
     @abstractmethod
     def frames(self, first_byte_timeout: float, frame_timeout: float | None = None) -> AsyncIterator[bytes]:
@@ -72,12 +73,18 @@ class FramedStream(ChunkStream):
     async def frames(self, first_byte_timeout: float, frame_timeout: float | None = None) -> AsyncIterator[bytes]:
         io_timeout = min(self.io_timeout, frame_timeout or self.io_timeout)
         while True:
+            began: list[float] = []
             try:
                 body = await read_frame(
-                    self.stream, max_bytes=MAX_CHUNK_FRAME, first_byte_timeout=first_byte_timeout, io_timeout=io_timeout
+                    self.stream,
+                    max_bytes=MAX_CHUNK_FRAME,
+                    first_byte_timeout=first_byte_timeout,
+                    io_timeout=io_timeout,
+                    began=began,
                 )
             except CleanEnd:
                 return
+            self.transit_s += trio.current_time() - began[0]
             yield body
 
     async def send(self, frame_body: bytes) -> None:
