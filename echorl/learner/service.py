@@ -374,27 +374,27 @@ class LearnerService:
         return SubmitAccepted(lease_id=rec.lease_id, accepted=len(kept), version=self.version, receipt=receipt)
 
     async def _count_against(self, code: ErrorCode, sub: Submission) -> None:
-        """A stale result counts like an expiry. A bad signature strikes the identity off at once:
-        an honest node's signatures always verify (authenticated stream, canonical encoding), and
-        each forged one costs the learner a maximal frame read before it is found out."""
+        """A stale result counts like an expiry. A bad signature strikes the identity off at once
+        (an honest node's signatures always verify, and each forged one costs the learner a
+        maximal frame before it is found out): this refusal is still answered, every later
+        stream of the identity is reset unread for ``ban_s``."""
         if code == ErrorCode.STALE_VERSION and sub.lease is not None:
             self.admission.on_expired(sub.peer_id)
         elif code in (ErrorCode.BAD_SIGNATURE, ErrorCode.WRONG_SIGNER) and (host := self.host) is not None:
             host.strikes.strike_off(sub.peer_id, trio.current_time())
-            await self._struck_off(host, sub.peer_id, f"a submission refused {code.value}")
+            self._forget_struck(sub.peer_id, f"a submission refused {code.value}")
 
     async def _strike_if_repeated(self, peer_id: str, what: str) -> None:
-        """One refusal; past the host's strike limit the identity is struck off."""
+        """One refusal; past the host's strike limit the identity is struck off and disconnected."""
         if (host := self.host) is not None and host.strikes.refuse(peer_id, trio.current_time()):
-            await self._struck_off(host, peer_id, f"repeated {what}")
+            self._forget_struck(peer_id, f"repeated {what}")
+            await host.disconnect(peer_id)
 
-    async def _struck_off(self, host: Host, peer_id: str, why: str) -> None:
-        """Struck off (streams reset for ``ban_s``): leases re-queued, membership forgotten (later
-        bodies unread), connection closed."""
+    def _forget_struck(self, peer_id: str, why: str) -> None:
+        """Struck off: its leases re-queued, its membership forgotten (later bodies unread)."""
         log.warning("%s: %s: struck off", short_id(peer_id), why)
         self._requeue(self.leases.expire_peer(peer_id))
         self.peers.forget(peer_id)
-        await host.disconnect(peer_id)
 
     def _batch_room(self, peer_id: str) -> int:
         return self.admission.batch_room(peer_id, self.buffer.buffered_ids, self.settings.prompts_per_step)

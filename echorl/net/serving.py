@@ -301,6 +301,9 @@ class RouteServer:
                 self.stats.served += 1
             if not await self._reply(stream, reply):
                 return
+            if self.strikes.banned(peer, trio.current_time()):  # struck off by this request: answered, closed
+                await close_quietly(stream)
+                return
 
     async def _reply(self, stream: Any, msg: Message) -> bool:
         try:
