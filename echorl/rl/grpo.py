@@ -414,6 +414,7 @@ class GRPOTrainer:
             "kl": 0.0,
             "entropy": 0.0,
             "zero_var_group_frac": 0.0,
+            "entropy_coef": scheduled_entropy(self.config, self._version),
             **extra,
         }
 
@@ -429,6 +430,7 @@ class GRPOTrainer:
             "logp_abs_diff": sums["logp_abs_diff"],
             "train_seconds": time.perf_counter() - t0,
             "zero_var_group_frac": prep.zero_var_groups / max(1, prep.groups),
+            "entropy_coef": scheduled_entropy(self.config, self._version - 1),  # the weight this step used
             **{k: sums[k] for k in ("ratio_mean", "clip_frac", "tis_frac", "kl", "entropy")},
         }
 

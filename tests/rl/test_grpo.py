@@ -273,6 +273,7 @@ def test_schedules_by_hand_and_the_entropy_weight_each_step_uses(tiny_model_dir)
     m = [trainer.train_step(groups) for _ in range(3)]  # weights 1, 0.5, 0 (the bonus: vocabulary entropy)
     assert m[1]["loss"] - m[0]["loss"] == pytest.approx(0.5 * m[0]["entropy"], rel=1e-4)
     assert m[2]["loss"] - m[0]["loss"] == pytest.approx(1.0 * m[0]["entropy"], rel=1e-4)
+    assert [x["entropy_coef"] for x in m] == pytest.approx([1.0, 0.5, 0.0])  # in each step's row
 
 
 def test_the_kl_reference_follows_the_policy_every_kl_refresh_steps(tiny_model_dir):
