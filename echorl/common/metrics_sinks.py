@@ -36,6 +36,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "chips/hand a best response gains over the game's value (poker; 0 at Nash)",
     ),
     (
+        "opponent_exploitability",
+        "echorl_learner_opponent_exploitability",
+        "gauge",
+        "exploitability of self-play's training opponent, the mean of the last K snapshots (poker)",
+    ),
+    (
         "forfeit_prob",
         "echorl_learner_forfeit_prob",
         "gauge",

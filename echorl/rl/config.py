@@ -19,6 +19,7 @@ from echorl.actor.lora import DEFAULT_TARGETS, LoraError, LoraSettings, check_mo
 from echorl.common.config import ConfigError, Flag, ModelFields, Section
 from echorl.protocol import limits
 from echorl.rl.advantages import DEFAULT_ADV_NORM, AdvNorm
+from echorl.rl.schedules import Schedule
 from echorl.tasks import BUILTIN, parse_task_options
 
 if TYPE_CHECKING:
@@ -121,6 +122,8 @@ class TrainingFields(LoraFields, TaskFields, BatchFields):
         actions = list(getattr(task, "legal_actions", None) or [])
         if self.entropy_over == "actions" and len(actions) < 2:
             raise ConfigError(f"--entropy-over actions needs a task with legal actions; {self.task!r} declares none")
+        if self.kl_refresh and (self.lora_rank or not self.kl_coef):
+            raise ConfigError("--kl-refresh needs --kl-coef > 0 and full fine-tuning (LoRA: the reference is the base)")
 
     steps: Steps = 0
     publish_every: PublishEvery = 0
@@ -145,10 +148,20 @@ class TrainingFields(LoraFields, TaskFields, BatchFields):
     micro_batch: int = Field(256, ge=1, le=1_000_000)
     """sequences per forward/backward pass (gradients accumulate over micro-batches; memory, not math)"""
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
-    """weight of the k3 KL penalty to the initial model"""
+    """weight of the k3 KL penalty to the initial model (with --kl-refresh: to a moving magnet)"""
+    kl_refresh: int = Field(0, ge=0, le=10**9)
+    """copy the policy into the KL reference every this many steps (a moving magnet, as magnetic
+    mirror descent's: the penalty then pulls towards the recent policy, not the start; 0: the initial
+    model throughout; full fine-tuning only)"""
     entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
     """weight of an entropy bonus on the model's turns (keeps a self-play policy mixed: a deterministic
     one makes every episode of a group alike, and a group of equal rewards teaches nothing)"""
+    entropy_schedule: Schedule = "constant"
+    """the bonus's weight over the run's steps: from --entropy-coef to --entropy-final along a line
+    ('linear') or half a cosine ('cosine'), or --entropy-coef throughout ('constant'; so is a run
+    without --steps). The bonus's own equilibrium is not Nash; annealing it moves it towards Nash"""
+    entropy_final: float = Field(0.0, ge=0.0, le=10.0)
+    """with a linear or cosine --entropy-schedule, the bonus's weight at the last step"""
     entropy_over: Literal["vocab", "actions"] = "vocab"
     """the bonus's entropy: over the whole vocabulary, or over the task's legal one-token actions
     renormalised ('actions': poker's 0/1; widens the choice without moving mass onto illegal answers)"""

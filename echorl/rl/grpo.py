@@ -38,12 +38,15 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from echorl.actor import lora
 from echorl.actor.types import RolloutGroup
 from echorl.rl import precision
-from echorl.rl.advantages import ADV_EPS, ADV_NORMS, DEFAULT_ADV_NORM, AdvNorm, group_advantages, zero_variance
+from echorl.rl.advantages import group_advantages, zero_variance
+from echorl.rl.grpo_config import GRPOConfig, scheduled_entropy, scheduled_lr
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "grpo_token_loss", "scheduled_entropy", "scheduled_lr"]
 
 if TYPE_CHECKING:
     import torch
@@ -52,88 +55,6 @@ if TYPE_CHECKING:
 MAX_LOG_RATIO = 20.0
 """|log π_θ − log π_b| is clamped here before ``exp``: e^20 is far beyond every clip and truncation
 (so the loss is unchanged for any sane token) yet far below float32 overflow (e^88)."""
-
-
-@dataclass
-class GRPOConfig:
-    """Hyper-parameters of the GRPO learner."""
-
-    lr: float = 5e-4
-    """AdamW learning rate (0 leaves the weights untouched)."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """'cosine': the rate falls from ``lr`` to ``lr_min_ratio`` × ``lr`` over ``lr_steps`` steps
-    (:func:`scheduled_lr`); 'constant': ``lr`` throughout."""
-    lr_min_ratio: float = 0.1
-    """The cosine schedule's last rate as a fraction of ``lr``."""
-    lr_steps: int = 0
-    """Optimizer steps the cosine schedule spans (the run's steps; 0: constant)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    clip_low: float = 0.2
-    """PPO clip: the ratio is clipped below at 1 - clip_low."""
-    clip_high: float = 0.2
-    """PPO clip: the ratio is clipped above at 1 + clip_high."""
-    tis_cap: float = 2.0
-    """Truncation C of the importance weight pi_theta/pi_b in the unclipped (A < 0) branch."""
-    off_policy_correction: bool = True
-    """Ratio and truncation against the behaviour policy pi_b (False: the ratio is taken against
-    the current policy itself, r = 1 with the gradient of log pi: plain on-policy policy
-    gradient that ignores staleness; the ablation of bench/staleness_sweep.py)."""
-    decoupled: bool = False
-    """The decoupled correction (AReaL): clip against the proximal policy (the learner's own at the
-    step's start), weight each token by min(π_prox / π_b, ``tis_cap``) (see :func:`_decoupled_surrogate`)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen copy of the initial model (0 = no reference)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus: ``- entropy_coef · H(π_θ(·|prefix))`` per completion token."""
-    entropy_tokens: tuple[int, ...] = ()
-    """The bonus's entropy over these token ids only, renormalised (a task's legal one-token
-    actions: it widens the choice between them without moving mass onto anything else); empty:
-    over the whole vocabulary."""
-    loss_norm: Literal["token", "sequence"] = "token"
-    """'token': mean over all completion tokens; 'sequence': per-sequence mean, then mean."""
-    adv_norm: AdvNorm = DEFAULT_ADV_NORM
-    """'mean': rewards centred on the group mean (Dr. GRPO); 'mean_std': also divided by the group's std."""
-    adv_eps: float = ADV_EPS
-    """Added to the group std before dividing."""
-    temperature: float = 1.0
-    """Sampling temperature the actors used; logits are divided by it (0 treated as 1)."""
-    max_grad_norm: float | None = 1.0
-    """Global gradient-norm clip (None = off)."""
-    micro_batch: int = 256
-    """Sequences per forward/backward pass (gradients accumulate over micro-batches)."""
-    device: str = "cpu"
-    """Torch device of the learner."""
-    dtype: str = "float32"
-    """Torch dtype of the compute and of the published versions (``actor/device.py`` picks bfloat16 on
-    CUDA by default); a half dtype keeps fp32 master weights and optimizer state (``rl/precision.py``)."""
-    lora: lora.LoraSettings | None = None
-    """Train a LoRA adapter over the frozen model (``actor/lora.py``); None: full fine-tuning."""
-
-    def __post_init__(self) -> None:
-        if self.loss_norm not in ("token", "sequence"):
-            raise ValueError(f"loss_norm must be 'token' or 'sequence', got {self.loss_norm!r}")
-        if self.adv_norm not in ADV_NORMS:
-            raise ValueError(f"adv_norm must be one of {', '.join(ADV_NORMS)}, got {self.adv_norm!r}")
-        if self.lr < 0 or self.clip_low < 0 or self.clip_high < 0 or self.tis_cap < 1:
-            raise ValueError("lr, clip_low, clip_high must be >= 0 and tis_cap >= 1")
-        if self.micro_batch < 1:
-            raise ValueError("micro_batch must be >= 1")
-        if self.lr_schedule not in ("constant", "cosine") or not 0.0 <= self.lr_min_ratio <= 1.0:
-            raise ValueError("lr_schedule must be 'constant' or 'cosine' and lr_min_ratio in [0, 1]")
-        self.lora = lora.LoraSettings.of(self.lora)  # a worker rank gets it as a dict
-
-
-def scheduled_lr(cfg: GRPOConfig, step: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based: the trainer's version before it).
-    Cosine: ``lr`` at step 0, ``lr_min_ratio`` × ``lr`` from step ``lr_steps`` − 1 on. A function of
-    the step alone, so a resumed run goes on where it was without scheduler state."""
-    if cfg.lr_schedule == "constant" or cfg.lr_steps <= 1:
-        return cfg.lr
-    progress = min(1.0, step / (cfg.lr_steps - 1))
-    return cfg.lr * (cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def grpo_token_loss(
@@ -146,13 +67,14 @@ def grpo_token_loss(
     n_tokens: float | None = None,
     n_seqs: float | None = None,
     entropy: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss of a [N, T] block of completion tokens (see the module docstring).
 
     ``advantages`` is [N] (one per sequence); ``mask`` [N, T] marks real tokens. ``n_tokens``
     / ``n_seqs`` are the batch-wide normalisers when this block is one micro-batch of many
-    (default: this block's own counts). ``entropy`` [N, T] (with its graph) is the bonus's, used
-    when ``cfg.entropy_coef > 0``. Returns the loss and detached statistics.
+    (default: this block's own counts). ``entropy`` [N, T] (with its graph) is the bonus's, weighted
+    by ``entropy_coef`` (default ``cfg.entropy_coef``). Returns the loss and detached statistics.
     """
     import torch
 
@@ -176,8 +98,9 @@ def grpo_token_loss(
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
         tok = tok + cfg.kl_coef * kl
-    if entropy is not None and cfg.entropy_coef > 0:
-        tok = tok - cfg.entropy_coef * entropy
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+    if entropy is not None and coef > 0:
+        tok = tok - coef * entropy
     if cfg.loss_norm == "token":
         denom = float(n_tokens) if n_tokens is not None else float(mask.sum().clamp(min=1))
         loss = (tok * mask).sum() / denom
@@ -356,7 +279,7 @@ class GRPOTrainer:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         bonus = None
-        if self.config.entropy_coef > 0:
+        if self.config.entropy_coef > 0 or self.config.entropy_final > 0:
             picked = logits[..., list(self.config.entropy_tokens)] if self.config.entropy_tokens else logits
             logq = torch.log_softmax(picked, dim=-1)
             bonus = -(logq.exp() * logq).sum(-1)
@@ -374,6 +297,8 @@ class GRPOTrainer:
                 raise KeyError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
         self.optimizer.load_state_dict(optimizer_state)
         self._version = int(version)
+        if self.config.kl_refresh:  # a resumed run's magnet is the weights it resumes from
+            self.refresh_reference()
 
     def prepare(self, groups: list[RolloutGroup]) -> Prepared:
         """Validate ``groups`` and turn them into training rows with their advantages."""
@@ -409,7 +334,7 @@ class GRPOTrainer:
 
         self.model.train()
         sums = dict.fromkeys(STAT_KEYS, 0.0)
-        mb = self.config.micro_batch
+        mb, coef = self.config.micro_batch, scheduled_entropy(self.config, self._version)
         for start in range(0, len(rows), mb):
             chunk = rows[start : start + mb]
             ids, att, cmask, blogp = self._batch(chunk)
@@ -420,7 +345,7 @@ class GRPOTrainer:
                     with torch.no_grad(), lora.reference(self.model, self.ref_model) as ref_model:
                         ref = self.token_logprobs(ref_model, ids, att)
             adv = torch.tensor(advs[start : start + mb], device=logp.device)
-            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs, bonus)
+            loss, st = grpo_token_loss(logp, blogp, adv, cmask, self.config, ref, n_tokens, n_seqs, bonus, coef)
             loss.backward()
             sums["loss"] += float(loss.detach())
             w = float(cmask.sum()) / n_tokens
@@ -448,7 +373,14 @@ class GRPOTrainer:
             group["lr"] = lr
         self.optimizer.step()
         self._version += 1
+        if self.config.kl_refresh and self._version % self.config.kl_refresh == 0:
+            self.refresh_reference()
         return grad_norm
+
+    def refresh_reference(self) -> None:
+        """Make the current policy the KL reference (``kl_refresh``: the magnet moves)."""
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
 
     def train_step(self, groups: list[RolloutGroup]) -> dict[str, Any]:
         """One optimizer step on ``groups``; increments :attr:`version` by one, unless the step
@@ -482,6 +414,7 @@ class GRPOTrainer:
             "kl": 0.0,
             "entropy": 0.0,
             "zero_var_group_frac": 0.0,
+            "entropy_coef": scheduled_entropy(self.config, self._version),
             **extra,
         }
 
@@ -497,6 +430,7 @@ class GRPOTrainer:
             "logp_abs_diff": sums["logp_abs_diff"],
             "train_seconds": time.perf_counter() - t0,
             "zero_var_group_frac": prep.zero_var_groups / max(1, prep.groups),
+            "entropy_coef": scheduled_entropy(self.config, self._version - 1),  # the weight this step used
             **{k: sums[k] for k in ("ratio_mean", "clip_frac", "tis_frac", "kl", "entropy")},
         }
 

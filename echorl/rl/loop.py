@@ -300,7 +300,7 @@ class TrainingLoop:
         table = ev.pop(OPPONENT_TABLE, None)
         if self.self_play is not None and table is not None:  # adopted between steps, on the event loop
             self.self_play.adopt(table)
-            ev["self_play_snapshots"] = len(self.self_play.tables)
+            ev.update(self.self_play.metrics())  # self_play_snapshots, opponent_exploitability
         self.eval_s += time.perf_counter() - t0
         self.last_eval = ev["eval_reward"]
         if self.first_eval is None:

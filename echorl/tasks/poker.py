@@ -302,3 +302,11 @@ class KuhnPoker(Environment):
     @staticmethod
     def opponent_options(table: list[float]) -> dict[str, str]:
         return {"opponent": table_text(table)}
+
+    @staticmethod
+    def table_exploitability(table: list[float]) -> float:
+        """:func:`exploitability` of the player of ``table`` (bet probabilities at ``TABLE_KEYS``)
+        in both seats: self-play's training opponent, the mean of the policy's last snapshots."""
+        bets = dict(zip(TABLE_KEYS, table))
+        play: Strategy = lambda c, h: (1.0 - bets[(c, h)], bets[(c, h)])
+        return exploitability(play, play)

@@ -11,7 +11,10 @@ The opponent must be part of what the learner replays: each training prompt carr
 it was made under (``prompt.meta["env_options"]``, and the lease's ``EpisodeSpec.options``), so an
 episode leased before an update is run and replayed against the opponent it was dealt, never the
 current one. The tables are refreshed at each evaluation (``rl/loop.py``): the snapshot is read in
-the evaluation's worker thread, adopted on the event loop between steps.
+the evaluation's worker thread, adopted on the event loop between steps. Where the environment
+can score a table (``table_exploitability``), the evaluation row also gets the opponent's own
+``opponent_exploitability``: with a large ``k`` that is fictitious play's average strategy, which
+is what fictitious play makes converge (the policy's own figure stays ``exploitability``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SelfPlay:
             raise TaskError(f"self_play must be 0 (off) or 1..{MAX_SNAPSHOTS} snapshots, got {snapshots!r}")
         self.env, self.snapshots = env, int(snapshots)
         self.tables: list[list[float]] = []
+        self.mean: list[float] = []  # the opponent's table (the mean of ``tables``)
         self.options: dict[str, Any] = {}  # the training episodes' option overrides (empty: the base opponent)
 
     def snapshot(self, policy: TurnPolicy) -> list[float]:
@@ -49,8 +53,17 @@ class SelfPlay:
     def adopt(self, table: list[float]) -> None:
         """Make the mean of the last ``snapshots`` tables the opponent of new training prompts."""
         self.tables = [*self.tables, table][-self.snapshots :]
-        mean = [math.fsum(col) / len(self.tables) for col in zip(*self.tables)]
-        self.options = dict(self.env.opponent_options(mean))  # one assignment: prompts see old or new
+        self.mean = [math.fsum(col) / len(self.tables) for col in zip(*self.tables)]
+        self.options = dict(self.env.opponent_options(self.mean))  # one assignment: prompts see old or new
+
+    def metrics(self) -> dict[str, float | int]:
+        """The evaluation row's self-play figures: how many snapshots the opponent averages, and
+        (where the environment scores tables) that opponent's exploitability."""
+        score = getattr(self.env, "table_exploitability", None)
+        out: dict[str, float | int] = {"self_play_snapshots": len(self.tables)}
+        if score is not None and self.mean:
+            out["opponent_exploitability"] = float(score(self.mean))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"tables": [list(t) for t in self.tables]}

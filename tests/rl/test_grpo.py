@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -12,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from echorl.actor.types import RolloutGroup, Sample
 from echorl.rl.advantages import group_advantages
-from echorl.rl.grpo import GRPOConfig, GRPOTrainer, grpo_token_loss, scheduled_lr
+from echorl.rl.grpo import GRPOConfig, GRPOTrainer, grpo_token_loss, scheduled_entropy, scheduled_lr
+from echorl.rl.schedules import anneal
 
 # ratios per token; seq 0 has A=+1 (third token padded), seq 1 has A=-1
 RATIOS = [[1.1, 1.5, 1.0], [3.0, 0.5, 1.0]]
@@ -245,3 +247,62 @@ def test_cosine_schedule_falls_to_its_floor_and_the_optimizer_uses_it(tiny_model
         trainer.train_step(_groups(backend, 0, lambda i: float(i % 2)))
         used.append(trainer.optimizer.param_groups[0]["lr"])
     assert used == pytest.approx([1e-3, 0.55e-3, 1e-4])
+
+
+def test_schedules_by_hand_and_the_entropy_weight_each_step_uses(tiny_model_dir):
+    """``anneal``: start at step 0, end from the last step on, a line or half a cosine between;
+    the trainer weighs the bonus of step k by the schedule at k (lr 0: the same weights every step,
+    so the loss moves by exactly the weight's change × the bonus's entropy)."""
+    from echorl.actor.backend import TorchBackend
+
+    assert anneal("linear", 0.5, 0.1, 0, 5) == 0.5 and anneal("linear", 0.5, 0.1, 1, 5) == pytest.approx(0.4)
+    assert anneal("cosine", 0.5, 0.1, 2, 5) == pytest.approx(0.3)  # half-way: the mean
+    assert anneal("cosine", 0.5, 0.1, 1, 5) == pytest.approx(0.1 + 0.4 * (1 + math.cos(math.pi / 4)) / 2)
+    assert anneal("linear", 0.5, 0.1, 4, 5) == pytest.approx(0.1) == anneal("cosine", 0.5, 0.1, 99, 5)
+    assert anneal("constant", 0.5, 0.1, 3, 5) == 0.5 == anneal("cosine", 0.5, 0.1, 3, 0)  # no end: no schedule
+    with pytest.raises(ValueError, match="schedule"):
+        anneal("step", 1.0, 0.0, 0, 2)  # type: ignore[arg-type]
+    cfg = GRPOConfig(entropy_coef=0.5, entropy_schedule="linear", entropy_final=0.1, lr_steps=5)
+    assert [scheduled_entropy(cfg, k) for k in range(5)] == pytest.approx([0.5, 0.4, 0.3, 0.2, 0.1])
+    assert scheduled_entropy(GRPOConfig(entropy_coef=0.5, entropy_final=0.1, lr_steps=5), 4) == 0.5
+
+    backend = TorchBackend.from_pretrained(tiny_model_dir)
+    groups = _groups(backend, 0, lambda i: float(i % 2))
+    sched = GRPOConfig(lr=0.0, entropy_coef=1.0, entropy_schedule="linear", entropy_final=0.0, lr_steps=3)
+    trainer = GRPOTrainer(tiny_model_dir, sched)
+    m = [trainer.train_step(groups) for _ in range(3)]  # weights 1, 0.5, 0 (the bonus: vocabulary entropy)
+    assert m[1]["loss"] - m[0]["loss"] == pytest.approx(0.5 * m[0]["entropy"], rel=1e-4)
+    assert m[2]["loss"] - m[0]["loss"] == pytest.approx(1.0 * m[0]["entropy"], rel=1e-4)
+    assert [x["entropy_coef"] for x in m] == pytest.approx([1.0, 0.5, 0.0])  # in each step's row
+
+
+def test_the_kl_reference_follows_the_policy_every_kl_refresh_steps(tiny_model_dir):
+    """The magnet moves: with ``kl_refresh=2`` the reference is the start model until step 2, then
+    the policy of step 2 (the next step's KL starts at 0); without it, the start model throughout.
+    A resumed run's magnet is the weights it resumes from."""
+    from echorl.actor.backend import TorchBackend
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+    backend = TorchBackend.from_pretrained(tiny_model_dir)
+    groups = _groups(backend, 0, lambda i: float(i % 2))
+    fixed = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, kl_coef=0.1))
+    moving = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, kl_coef=0.1, kl_refresh=2))
+    start = copy.deepcopy(moving.model)
+    kl = {}
+    for step in (1, 2, 3):
+        for name, trainer in (("fixed", fixed), ("moving", moving)):
+            kl[name, step] = trainer.train_step(groups)["kl"]
+        if step == 1:
+            assert same(moving.ref_model, start) and not same(moving.ref_model, moving.model)
+        if step == 2:
+            assert same(moving.ref_model, moving.model) and not same(moving.ref_model, start)
+            assert same(fixed.ref_model, start)
+    assert kl["moving", 2] > 0 and kl["moving", 3] == pytest.approx(0.0, abs=1e-7)
+    assert kl["fixed", 3] > kl["fixed", 2] > 0  # the fixed reference falls further behind
+    resumed = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, kl_coef=0.1, kl_refresh=2))
+    resumed.load_state(fixed.state_dict(), resumed.optimizer.state_dict(), 3)
+    assert same(resumed.ref_model, fixed.model)
+    with pytest.raises(ValueError, match="kl_refresh needs kl_coef"):
+        GRPOConfig(kl_refresh=2)

@@ -86,7 +86,8 @@ def test_every_training_setting_is_a_flag_of_both_commands():
 
     argv = ["--kl-coef", "0.1", "--loss-norm", "sequence", "--no-off-policy-correction", "--top-p", "1"]
     argv += ["--max-grad-norm", "0", "--micro-batch", "7", "--tis-cap", "3", "--weight-decay", "0.01"]
-    argv += ["--adv-norm", "mean_std"]
+    argv += ["--adv-norm", "mean_std", "--kl-refresh", "10", "--entropy-coef", "0.5"]
+    argv += ["--entropy-schedule", "cosine", "--entropy-final", "0.1"]
     for cls in (LearnerConfig, TrainLocalConfig):
         assert set(TrainingFields.model_fields) <= set(cls.model_fields), cls
         parser = argparse.ArgumentParser()
@@ -95,11 +96,15 @@ def test_every_training_setting_is_a_flag_of_both_commands():
         grpo = build.grpo_config(cfg, "cpu", "float32")
         assert (grpo.kl_coef, grpo.loss_norm, grpo.off_policy_correction) == (0.1, "sequence", False)
         assert (grpo.max_grad_norm, grpo.micro_batch, grpo.tis_cap, grpo.weight_decay) == (None, 7, 3.0, 0.01)
-        assert grpo.adv_norm == "mean_std"
+        assert grpo.adv_norm == "mean_std" and grpo.kl_refresh == 10
+        assert (grpo.entropy_coef, grpo.entropy_schedule, grpo.entropy_final) == (0.5, "cosine", 0.1)
         task = load_task("addition", digits=2)
         assert TrainingLoop(build.loop_settings(cfg), task, _Version(), None, None).sampling_params().top_p == 1.0
         with pytest.raises(config.ConfigError, match="top_p < 1 is refused"):  # log-probs would not match
             config.load(cls, parser.parse_args(["--top-p", "0.9"]), "test")
+        for bad in (["--kl-refresh", "5"], ["--kl-refresh", "5", "--kl-coef", "0.1", "--lora-rank", "4"]):
+            with pytest.raises(config.ConfigError, match="--kl-refresh needs"):  # no reference, or a fixed one
+                config.load(cls, parser.parse_args(bad), "test").check_task(task)
 
 
 def _cap() -> Capability:

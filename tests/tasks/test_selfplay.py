@@ -51,6 +51,24 @@ def test_the_opponent_is_the_mean_of_the_last_k_snapshots_and_survives_a_checkpo
     assert again.options == play.options and again.tables == play.tables
 
 
+def test_the_row_scores_the_opponent_the_mean_of_the_snapshots_not_the_last_one():
+    """``opponent_exploitability`` is the exploitability of the averaged table: two pure tables
+    whose mean is the equilibrium score 0 together, each on its own far from it."""
+    nash = [NASH[k] for k in TABLE_KEYS]
+    low = [max(0.0, 2 * p - 1) for p in nash]  # low + high = 2 × nash at every decision
+    high = [2 * p - lo for p, lo in zip(nash, low)]
+    assert all(0.0 <= p <= 1.0 for p in low + high)
+    play = load_task("poker", self_play=2).self_play
+    assert play.metrics() == {"self_play_snapshots": 0}  # nothing adopted yet: no opponent to score
+    play.adopt(low)
+    alone = play.metrics()["opponent_exploitability"]
+    play.adopt(high)
+    assert play.metrics()["self_play_snapshots"] == 2
+    assert play.metrics()["opponent_exploitability"] == pytest.approx(0.0, abs=1e-9)
+    assert alone > 0.05
+    assert KuhnPoker.table_exploitability(high) > 0.05
+
+
 def test_self_play_needs_an_environment_that_has_it():
     with pytest.raises(TaskError, match="no self-play"):
         load_task("guess", self_play=1)
