@@ -59,6 +59,18 @@ def _cap(addr: str) -> Capability:
     )
 
 
+def _join_request(me: Identity, host) -> JoinRequest:
+    """An unsigned join of ``me``, listening where ``host`` does, timestamped now."""
+    return JoinRequest(
+        run_id="echorl-demo",
+        peer_id=me.peer_id,
+        capability=_cap(host.addrs[0]),
+        version=-1,
+        timestamp=time.time(),
+        nonce=secrets.token_bytes(16),
+    )
+
+
 async def _raw(host, peer: str, protocol: str, payload: bytes) -> str:
     stream = await host.libp2p.new_stream(ID.from_base58(peer), [protocol])
     await stream.write(payload)
@@ -85,19 +97,12 @@ async def _lease(host, learner: str, version: int) -> Lease:
 
 async def forge_once(addr: str, forge) -> tuple[str, str]:
     """A fresh identity joins and sends one forged submission, ``forge(identity)``: (the learner's
-    answer to it, its answer to a status request right after: a forger is struck off at its first
+    answer to it, its answer to a lease request right after: a forger is struck off at its first
     forged signature, so the second stream is reset unread)."""
     me = Identity.generate()
     async with open_host(me) as host:
         learner = await host.connect(addr)
-        join = JoinRequest(
-            run_id="echorl-demo",
-            peer_id=me.peer_id,
-            capability=_cap(host.addrs[0]),
-            version=-1,
-            timestamp=time.time(),
-            nonce=secrets.token_bytes(16),
-        )
+        join = _join_request(me, host)
         await host.request(learner, routes.JOIN, wire.sign(join, me), expect=JoinAccepted)
         first = await remote_code(host.request(learner, routes.SUBMIT, forge(me)))
         try:
@@ -116,14 +121,7 @@ async def attack(addr: str) -> dict:
         status = lambda: req(routes.STATUS, StatusRequest(), expect=Status)
         out["garbage"] = await _raw(host, learner, routes.SUBMIT, struct.pack(">I", 6) + b"\xc1garbg")
         out["oversized"] = await _raw(host, learner, routes.JOIN, struct.pack(">I", 10_000_000) + b"x" * 64)
-        join = JoinRequest(
-            run_id="echorl-demo",
-            peer_id=me.peer_id,
-            capability=_cap(host.addrs[0]),
-            version=-1,
-            timestamp=time.time(),
-            nonce=secrets.token_bytes(16),
-        )
+        join = _join_request(me, host)
         old = join.model_copy(update={"timestamp": time.time() - 3600, "nonce": secrets.token_bytes(16)})
         out["stale_join"] = await remote_code(req(routes.JOIN, wire.sign(old, me)))
         out["forged_join"] = await remote_code(req(routes.JOIN, join.model_copy(update={"signature": b"\x01" * 64})))
