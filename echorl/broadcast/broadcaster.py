@@ -221,7 +221,9 @@ class Broadcaster:
         self.silence = SilentMembers()  # members left out of the next plans for not reporting
         self._drop: set[str] = set()  # reported and did not complete: left out next time
         self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
-        self.weigh = True  # False: plans without the weights (still measured; bench/netlab.py compares)
+        # plans with the measured weights: off until one-slot relays stop chaining (a known defect,
+        # tests/protocol/test_plan_weights.py); still measured; bench/netlab.py --compare-weights
+        self.weigh = False
 
     def install(self) -> None:
         self.server.install_serving()
