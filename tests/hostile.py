@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -77,20 +78,24 @@ async def join(
 
 async def newest_lease(host: Any, learner: str, tries: int = 400, run_id: str = RUN) -> tuple[Lease, int]:
     """A lease for the newest published version (the learner names it when asked for a newer one)."""
-    version = 2**40
+    reasons = Counter[str]()
+
+    async def ask(version: int) -> Lease | LeaseDeferred:
+        req = LeaseRequest(run_id=run_id, version=version, max_prompts=2)
+        return await host.request(learner, routes.LEASE, req, expect=(Lease, LeaseDeferred))
+
     for _ in range(tries):
-        reply = await host.request(
-            learner,
-            routes.LEASE,
-            LeaseRequest(run_id=run_id, version=version, max_prompts=2),
-            expect=(Lease, LeaseDeferred),
-        )
+        # A version above any published is answered at once with the newest (no wait is set), so
+        # each try claims the newest version however fast the learner steps.
+        version, reply = 2**40, await ask(2**40)
+        if isinstance(reply, LeaseDeferred) and reply.reason == "weights_unknown":
+            version = reply.want_version
+            reply = await ask(version)
         if isinstance(reply, Lease):
             return reply, version
-        if reply.want_version >= 0:
-            version = reply.want_version
+        reasons[f"{reply.reason} (retry {reply.retry_after_s:.2f} s)"] += 1
         await trio.sleep(max(0.05, reply.retry_after_s))  # asking earlier is refused (rate_limited)
-    raise TimeoutError("no lease")
+    raise TimeoutError(f"no lease in {tries} tries: deferred {dict(reasons.most_common(6))}")
 
 
 def nonfinite_logprob_body(submit: Submit) -> bytes:

@@ -295,7 +295,7 @@ class LearnerService:
         min_version = rule.min_version(self.version, self.published)
         if msg.version < min_version:  # an unproven peer waits like a paced one: no free polls
             retry = 0.0 if self.admission.trusted(ctx.peer_id) else self.admission.retry_s(ctx.peer_id, now)
-            return self._wait(ctx.peer_id, "weights_too_old", retry, now, want_version=min_version)
+            return self._wait(ctx.peer_id, "weights_too_old", retry, now, want_version=self.published)
         if msg.version > self.published:
             return self._deferred("weights_unknown", want_version=self.published)
         if not self.admission.holds(msg.version, self.published):  # e.g. published before a resume:

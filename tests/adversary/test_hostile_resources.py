@@ -560,3 +560,24 @@ def test_unproven_peers_share_one_retry_clock_and_wait_after_weights_too_old(tin
         assert isinstance(await svc.on_lease(LeaseRequest(run_id=RUN, version=5, max_prompts=2), proven), Lease)
 
     trio.run(main)
+
+
+def test_weights_too_old_names_the_newest_published_version(tiny) -> None:  # noqa: F811
+    """A peer told its weights are too old is sent to the newest published version, not to the
+    oldest one still leased work: an unproven peer waits its retry (0.5 s or more) before asking
+    again, and a learner that steps faster than that had moved past the oldest meanwhile, so a
+    newcomer could be told ``weights_too_old`` for ever (CI: the joined attacker of
+    ``test_swarm_under_attack`` got no lease in 400 tries)."""
+
+    async def main() -> None:
+        svc = _service(tiny, prompts_per_step=8, staleness=4)
+        svc._version = lambda: 12
+        for v in range(6, 13):
+            svc.note_published(v)
+        assert svc.rule.min_version(12, 12) < 12  # the oldest still leased is older than the newest
+        newcomer = _join(svc, Identity.generate())
+        reply = await svc.on_lease(LeaseRequest(run_id=RUN, version=1, max_prompts=2), newcomer)
+        assert isinstance(reply, LeaseDeferred) and reply.reason == "weights_too_old"
+        assert reply.want_version == 12 and reply.retry_after_s > 0
+
+    trio.run(main)
