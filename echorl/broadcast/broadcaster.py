@@ -168,6 +168,7 @@ class Broadcaster:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         fetch_limit: RateLimit | None = None,
         nat_push: bool = True,
+        weigh: bool = False,
         incarnation: bytes | None = None,
         admit: Callable[[str], bool] | None = None,
         adapter: AdapterSpec | None = None,
@@ -221,9 +222,7 @@ class Broadcaster:
         self.silence = SilentMembers()  # members left out of the next plans for not reporting
         self._drop: set[str] = set()  # reported and did not complete: left out next time
         self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
-        # plans with the measured weights: off until one-slot relays stop chaining (a known defect,
-        # tests/protocol/test_plan_weights.py); still measured; bench/netlab.py --compare-weights
-        self.weigh = False
+        self.weigh = weigh  # plan with them (else only measured): `echorl learner --plan-weights`
 
     def install(self) -> None:
         self.server.install_serving()

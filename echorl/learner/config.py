@@ -154,6 +154,11 @@ class LearnerConfig(TrainingFields, ServiceFields, PeerFields):
     chunk_kib: int = Field(0, ge=0, le=limits.MAX_CHUNK_BYTES // 1024)
     """broadcast chunk size in KiB (0: per version, W/(16·fanout·depth) rounded to a power of two in
     64 KiB..1 MiB, which keeps the relay pipeline's fill under 1/16 of the transfer)"""
+    plan_weights: bool = False
+    """give relays child slots in proportion to their upload as their plan children timed it
+    (docs/broadcast-notes.md: 6.4 x -> 1.2 x the bound for 10,000 simulated peers, 5-100 Mbit/s; in
+    the namespace lab 3 of 4 runs 23 % faster, one 5 % slower, and the timings read fast uplinks
+    high on a CPU-starved machine: off until measured where each process has a core)"""
     broadcast_timeout_s: float = Field(120.0, gt=0.0, le=86_400.0)
     """how long one publication may take"""
     fetch_mbps_per_peer: float = Field(400.0, ge=0.0, le=1e6)

@@ -315,6 +315,7 @@ def _broadcaster(
         retain=cfg.staleness,
         cache_bytes=int(cfg.chunk_cache_mb * 2**20),
         fetch_limit=RateLimit(per_peer, 64 * 2**20) if per_peer > 0 else None,
+        weigh=cfg.plan_weights,
         admit=admit,
         adapter=adapter,
     )

@@ -22,7 +22,8 @@ peer's claim): the k·R child slots of the R peers that may relay are shared in 
 their weights (``relay_slots``: at most ``MAX_COPIES`` copies each; weight 0 or a share under
 one slot: a leaf); groups are filled to balance their slots, each group fastest first (shallow),
 and a peer may put all its slots into its one stripe. Equal weights (or none) give the plan
-above exactly.
+above exactly; a weighted plan more than ``WEIGHTED_DEPTH_SLACK`` hops deeper than that bound
+(one-slot relays chain) is replaced by the plan without weights.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import hashlib
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,11 @@ AUTO_CHUNK_MIN = 64 * 1024
 MAX_WEIGHT = 2**16 - 1  # a weight is an integer in [0, MAX_WEIGHT] (PlanMember.weight)
 MAX_COPIES = 8  # no peer is given more than MAX_COPIES · k child slots (8 copies of a version)
 AUTO_CHUNK_MAX = 1024 * 1024
+WEIGHTED_DEPTH_SLACK = 1
+"""Hops a weighted plan may go past a full k-ary tree over the same peers (``expected_depth``)
+before the plan without weights is used instead: uneven slots leave a stripe whose relays have
+one slot each, and those chain (weights 1, 1, 1, 1, 1, 4 at k = 2: depth 6 for 6 peers); each
+hop costs a chunk-time, so a chain as long as the swarm costs what the weights save."""
 
 
 def expected_depth(n_peers: int, fanout: int) -> int:
@@ -189,7 +195,19 @@ def _grouped(members: list[str], slots: dict[str, int], n_groups: int) -> list[l
 def plan_broadcast(
     learner: str, peers: list[PlanPeer], fanout: int, seed: int = 0, striped: bool = True
 ) -> BroadcastPlan:
-    """The relay trees for one version. Same inputs (in any order) → same plan."""
+    """The relay trees for one version. Same inputs (in any order) → same plan. A weighted plan
+    deeper than ``WEIGHTED_DEPTH_SLACK`` hops past a full k-ary tree gives way to the plan
+    without weights when that one is shallower."""
+    plan = _plan(learner, peers, fanout, seed, striped)
+    if plan.depth <= expected_depth(len(peers), fanout) + WEIGHTED_DEPTH_SLACK:
+        return plan
+    if all(p.weight is None for p in peers):
+        return plan
+    even = _plan(learner, [replace(p, weight=None) for p in peers], fanout, seed, striped)
+    return even if even.depth < plan.depth else plan
+
+
+def _plan(learner: str, peers: list[PlanPeer], fanout: int, seed: int, striped: bool) -> BroadcastPlan:
     if fanout < 1:
         raise ValueError("fanout must be at least 1")
     ids = [p.peer_id for p in peers]

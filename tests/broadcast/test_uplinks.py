@@ -90,7 +90,7 @@ def test_a_broadcast_measures_its_relays_and_the_next_plan_carries_their_weights
             hosts = (h1, h2, h3, h4)
             bc = Broadcaster(lh, li, "r", fanout=2, chunk_bytes=32 * 1024, upload_limit=UploadLimiter.from_mbps(400))
             bc.install()
-            bc.weigh = True  # off by default (tests/protocol/test_plan_weights.py: a known defect)
+            bc.weigh = True  # off by default (echorl learner --plan-weights)
             async with trio.open_nursery() as nursery:
                 await nursery.start(bc.run)
                 for h in hosts:
