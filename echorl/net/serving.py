@@ -260,6 +260,10 @@ class RouteServer:
                 return
             if route.buckets is not None and not route.buckets.take(peer):
                 self._refused(ErrorCode.RATE_LIMITED)
+                if self.strikes.refuse(peer, trio.current_time()):  # past the rate again and again
+                    await reset_quietly(stream)
+                    await self._strike(peer)
+                    return
                 if not await self._reply(stream, Error(code=ErrorCode.RATE_LIMITED.value, detail=route.protocol)):
                     return
                 continue

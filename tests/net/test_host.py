@@ -181,6 +181,30 @@ def test_rate_limit_refuses_excess_requests():
     run_pair(body)
 
 
+def test_a_peer_that_keeps_asking_past_a_rate_limit_is_struck_off():
+    """No honest peer runs past a route's rate (it sleeps each retry_after_s); one that asks again
+    at once on every ``rate_limited`` (a bench attacker looped on them ~120 times a second and
+    took a third of the learner's goodput) counts a strike each time and is struck off at the
+    limit: connection closed, later requests unanswered."""
+
+    async def body(srv, cli):
+        srv.route("/echorl/limited/1", _status, request=StatusRequest, rate=RateLimit(0.001, 3))
+        codes = []
+        for _ in range(3 + srv.strikes.limit + 3):
+            try:
+                await cli.request(srv.peer_id, "/echorl/limited/1", StatusRequest(), timeout=5)
+                codes.append("ok")
+            except RemoteError as exc:
+                codes.append(exc.code.value)
+            except PeerUnavailable:
+                codes.append("unavailable")
+        limit = srv.strikes.limit
+        assert codes == ["ok"] * 3 + ["rate_limited"] * (limit - 1) + ["unavailable"] * 4, codes
+        assert srv.strikes.banned(cli.peer_id, trio.current_time())
+
+    run_pair(body)
+
+
 def test_pooled_stream_closed_by_server_is_retried_transparently():
     async def body(srv, cli):
         await assert_alive(srv, cli)
