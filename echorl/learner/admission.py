@@ -76,6 +76,15 @@ clean goodput with half, 0.83 with one lease)."""
 EARLY_SLACK_S = 0.02
 """A lease request this much before the ``retry_after_s`` the peer was given is early: an honest
 node sleeps the whole of it after the reply arrives, so its next request comes later still."""
+EARLY_ASKS_STRUCK = 3
+"""Early lease requests within ``EARLY_WINDOW_S`` that strike the identity off at the last of
+them: a node's one lease loop sleeps each ``retry_after_s`` from when the reply reached it, so it
+is never early, while identities polling every second through retries of up to 5 s (issue 24,
+``sybil_flood``: ~230 early asks per 30 s window) stayed under the host's generic limit (32
+refusals in 10 s) for ever."""
+EARLY_WINDOW_S = 60.0
+"""The window ``EARLY_ASKS_STRUCK`` counts in: a peer that polls on its own clock is early now
+and then, so a count in a row would miss it."""
 
 
 class Admission:
@@ -216,10 +225,20 @@ class Admission:
 
     def asked_early(self, peer_id: str, now: float) -> float:
         """Seconds early this lease request came, by the last ``retry_after_s`` the peer was
-        given (0: not early)."""
+        given (0: not early); counts the early ones (``struck_for_early``)."""
         load = self.book.loads.get(peer_id)
         early = 0.0 if load is None else load.not_before - now
-        return early if early > EARLY_SLACK_S else 0.0
+        if load is None or early <= EARLY_SLACK_S:
+            return 0.0
+        if now - load.early_since > EARLY_WINDOW_S:
+            load.early_since, load.early_asks = now, 0
+        load.early_asks += 1
+        return early
+
+    def struck_for_early(self, peer_id: str) -> bool:
+        """Whether the peer asked early ``EARLY_ASKS_STRUCK`` times within ``EARLY_WINDOW_S``."""
+        load = self.book.loads.get(peer_id)
+        return load is not None and load.early_asks >= EARLY_ASKS_STRUCK
 
     def unmeasured_room(
         self,

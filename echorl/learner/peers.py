@@ -215,6 +215,8 @@ class PeerLoad:
     on_time_in_row: int = 0  # leases in a row answered in time (learner/pace.py: proven peers)
     worked_at: float = 0.0  # when its last lease was answered in time (0: never; learner/roster.py)
     not_before: float = 0.0  # the end of the last retry_after_s it was given (learner/admission.py)
+    early_asks: int = 0  # lease requests before their not_before since early_since (learner/admission.py)
+    early_since: float = 0.0
 
     @property
     def groups_per_s(self) -> float:

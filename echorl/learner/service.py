@@ -278,7 +278,7 @@ class LearnerService:
         s, rule, now = self.settings, self.rule, time.monotonic()
         self.admission.pace.note_version(self.version, now)
         if early := self.admission.asked_early(ctx.peer_id, now):
-            await self._strike_if_repeated(ctx.peer_id, "lease requests before their retry_after_s")
+            await self._strike_if_repeated(ctx.peer_id, "early asks", self.admission.struck_for_early(ctx.peer_id))
             raise ProtocolError(ErrorCode.RATE_LIMITED, f"asked {early:.2f} s before the retry_after_s it was given")
         held = self.leases.held_per_peer()
         wait = self.admission.lease_wait(ctx.peer_id, held.get(ctx.peer_id, 0))
@@ -374,21 +374,24 @@ class LearnerService:
         return SubmitAccepted(lease_id=rec.lease_id, accepted=len(kept), version=self.version, receipt=receipt)
 
     async def _count_against(self, code: ErrorCode, sub: Submission) -> None:
-        """A stale result counts like an expiry. A bad signature strikes the identity off at once
-        (an honest node's signatures always verify, and each forged one costs the learner a
-        maximal frame before it is found out): this refusal is still answered, every later
-        stream of the identity is reset unread for ``ban_s``."""
+        """A stale result counts like an expiry; a bad signature strikes the identity off at once (no
+        honest node's signature fails, and each forged one costs a maximal frame): the refusal is
+        answered, every later stream of the identity is reset unread for ``ban_s``."""
         if code == ErrorCode.STALE_VERSION and sub.lease is not None:
             self.admission.on_expired(sub.peer_id)
         elif code in (ErrorCode.BAD_SIGNATURE, ErrorCode.WRONG_SIGNER) and (host := self.host) is not None:
             host.strikes.strike_off(sub.peer_id, trio.current_time())
             self._forget_struck(sub.peer_id, f"a submission refused {code.value}")
 
-    async def _strike_if_repeated(self, peer_id: str, what: str) -> None:
-        """One refusal; past the host's strike limit the identity is struck off and disconnected."""
-        if (host := self.host) is not None and host.strikes.refuse(peer_id, trio.current_time()):
-            self._forget_struck(peer_id, f"repeated {what}")
-            await host.disconnect(peer_id)
+    async def _strike_if_repeated(self, peer_id: str, what: str, at_once: bool = False) -> None:
+        """One refusal; past the host's strike limit, or ``at_once``, the identity is struck off and disconnected."""
+        host, now = self.host, trio.current_time()
+        if host is None or not (at_once or host.strikes.refuse(peer_id, now)):
+            return
+        if at_once:
+            host.strikes.strike_off(peer_id, now)
+        self._forget_struck(peer_id, f"repeated {what}")
+        await host.disconnect(peer_id)
 
     def _forget_struck(self, peer_id: str, why: str) -> None:
         """Struck off: its leases re-queued, its membership forgotten (later bodies unread)."""
