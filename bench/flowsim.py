@@ -21,17 +21,23 @@ between ``--uplink-mbps`` and ``--uplink-max-mbps`` (an assumption, see docs/bro
   ``p`` at rate ``r``, with chunk ``c_b`` and stripe bytes ``S``: first chunk at
   ``f_c = f_p + c_b/r + hop``, stripe done at ``F_c = max(f_p + S/r, F_p + c_b/r) + hop``.
 - **Churn**: a fraction ``--churn`` of the peers leave at uniform random times in
-  [0, T₀] (T₀: the time without churn). A peer whose stream is cut (an ancestor left before the
-  stripe had passed it) hears nothing for ``stall_s`` (relay default 10 s: the first-byte
-  deadline), then pulls the rest of that stripe (``broadcast/recovery.py``): ``IN_FLIGHT`` (4)
-  chunk requests at a time, spread over its other parents (already connected) and those of
+  [0, T₀] (T₀: the time without churn). A peer whose parent left before the stripe had passed
+  it hears nothing for ``stall_s`` (relay default 10 s: the first-byte deadline), then is
+  **adopted** (``broadcast/stripe_feed.py``) by its nearest ancestor that stays, can be dialled
+  (or is the learner) and has adopted fewer than ``fanout`` in that stripe: the rest of the
+  stripe at a fair share of the adopter's uplink beside its streams to peers that stay, no
+  faster than the adopter receives it; its own subtree follows it a chunk-time behind (a
+  stalled parent that answers a ping is waited for once more, so they do not walk away). With
+  no such ancestor (or ``adopt=False``, the relay before adoption, printed beside as
+  ``no_adoption_*``) it pulls the rest of that stripe (``broadcast/recovery.py``): ``IN_FLIGHT``
+  (4) chunk requests at a time, spread over its other parents (already connected) and those of
   ``PEERS_ASKED`` (8) random members that can be dialled (a NAT'd one fails and is skipped).
   A source serves a request at a fair share of its uplink beside its tree streams
   (``uplink / (streams + requests)``), a pull's requests counted at a source in proportion to
   the share of the version that pull lasts (leave times are spread over the version). Every
-  descendant of the one who left is cut too (the recovering child forwards its first pulled
-  chunk later than ``stall_s``), so each pulls itself, as the code does. A pull cannot end
-  before the median member of that stripe holds it (sources only have what reached them).
+  descendant of a pulling peer pulls too (it forwards its first pulled chunk later than
+  ``stall_s``), as the code does. A pull cannot end before the median member of that stripe
+  holds it (sources only have what reached them).
 
 Output, one JSON line: ``predicted_s``; ``lower_bound_s`` = max(W/B_learner, W/d_min,
 N·W/(B_learner + Σ uᵢ)) (the minimum distribution time of any scheme in the uplink-sharing
@@ -41,7 +47,9 @@ distribution time"; it ignores NAT, so it is also a bound with NAT); ``ratio``; 
 ``topology_bound_seconds`` for uneven uplinks); ``plan_build_s`` and ``announce_s`` (CPU
 seconds: ``plan_broadcast``; building, signing and encoding the ``PlanAnnounce``);
 ``announce_bytes``; and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
-``baseline_plan_bound_s``: the same peers planned without weights (``--no-baseline`` skips them).
+``baseline_plan_bound_s``: the same peers planned without weights (``--no-baseline`` skips them);
+with ``--churn``, ``streams_adopted`` / ``streams_recovered`` and ``no_adoption_predicted_s``,
+``no_adoption_ratio``: the same plan and departures with every cut stream pulling.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit
@@ -187,31 +196,36 @@ def with_churn(
     plan: BroadcastPlan,
     times: dict[tuple[int, str], tuple[float, float, float]],
     sizes: list[int],
+    chunk: int,
     peers: dict[str, Peer],
     up: dict[str, float],
     rate: dict[Edge, float],
     leave_at: dict[str, float],
     seed: int,
-) -> tuple[dict[tuple[int, str], float], int]:
-    """Each remaining (stripe, peer)'s done time when the peers in ``leave_at`` leave then,
-    and how many stripe streams were cut and recovered by pulls."""
+    adopt: bool = True,
+) -> tuple[dict[tuple[int, str], float], int, int]:
+    """Each remaining (stripe, peer)'s done time when the peers in ``leave_at`` leave then, how
+    many stripe streams were recovered by pulls, and how many were adopted by an ancestor."""
     rng = random.Random(seed + 1)
     streams = {p: 0 for p in peers}
     for _s, p, _c in rate:
         if p != plan.learner:
             streams[p] += 1
+    streams[plan.learner] = len(plan.stripes)
+    live = dict.fromkeys(streams, 0)  # tree streams to peers that stay (an adopter's other load)
+    for _s, p, c in rate:
+        live[p] += c not in leave_at
     alive = [p for p in sorted(peers) if p not in leave_at]
     median_done = [statistics.median(times[(s.index, p)][2] for p in peers) for s in plan.stripes]
     parents = [s.parent_of() for s in plan.stripes]
-    cut: dict[tuple[int, str], float] = {}  # (stripe, peer) -> when its stream stopped
+    trees = []
     for s in plan.stripes:
-        queue: list[tuple[str, float]] = [(c, INF) for c in s.children.get(plan.learner, ())]
-        for node, broken in queue:
-            if broken < INF and node not in leave_at:
-                cut[(s.index, node)] = broken
-            for c in s.children.get(node, ()):
-                t = leave_at.get(node, INF)
-                queue.append((c, min(broken, t if t < times[(s.index, c)][2] else INF)))
+        args = (plan, s.index, parents[s.index], times, sizes[s.index], chunk, peers, up, rate, leave_at, live)
+        trees.append(_StripeChurn(*args))
+        trees[-1].walk(adopt)
+    # (stripe, peer) pulling -> when its stream stopped (a peer that leaves pulls nothing)
+    cut = {(t.s, p): b for t in trees for p, b in t.broken.items() if p not in leave_at}
+    pulled: dict[tuple[int, str], float] = {}
     # recovery sources: other parents of the peer plus PEERS_ASKED random members, all alive
     sources: dict[tuple[int, str], list[str]] = {}
     for s, node in cut:
@@ -220,10 +234,8 @@ def with_churn(
         asked = [p for p in rng.sample(alive, min(len(alive), PEERS_ASKED + 1)) if p != node][:PEERS_ASKED]
         srcs = own + [p for p in asked if peers[p].reachable]  # a NAT'd one cannot be dialled: skipped
         sources[(s, node)] = srcs or [plan.learner]
-    streams[plan.learner] = len(plan.stripes)
     no_churn = max(t[2] for t in times.values())
     busy = dict.fromkeys(cut, 1.0)  # share of the version each pull is in flight (first: all of it)
-    done = {(s.index, p): times[(s.index, p)][2] for s in plan.stripes for p in alive}
     for _ in range(LOAD_ROUNDS):
         load = dict.fromkeys(up, 0.0)
         for key, srcs in sources.items():
@@ -234,9 +246,100 @@ def with_churn(
             r_rec = min(IN_FLIGHT * statistics.fmean(per), peers[node].down / len(plan.stripes))
             start, _first, end = times[(s, node)]
             pull_s = (sizes[s] - _received(broken, start, end, sizes[s])) / r_rec
-            done[(s, node)] = max(broken + STALL_S + pull_s, median_done[s])
+            pulled[(s, node)] = max(broken + STALL_S + pull_s, median_done[s])
             busy[(s, node)] = min(1.0, pull_s / no_churn)
-    return done, len(cut)
+    done: dict[tuple[int, str], float] = {}
+    for t in trees:
+        got = t.finish({p: pulled.get((t.s, p), INF) for p in t.broken})
+        done.update({(t.s, p): d for p, d in got.items() if p != plan.learner and p not in leave_at})
+    return done, len(cut), sum(p not in leave_at for t in trees for p in t.adopted)
+
+
+class _StripeChurn:
+    """One stripe's tree under churn, top down (``broadcast/stripe_feed.py``): a peer whose parent
+    left before the stripe had passed it hears nothing for ``STALL_S``, then is adopted by its
+    nearest ancestor that stays until it is done, can be dialled (or is the learner), is not
+    pulling and has adopted fewer than ``fanout`` in this stripe: the rest of the stripe at a fair
+    share of that ancestor's uplink beside its streams to peers that stay, no faster than the
+    ancestor receives it. With no such ancestor it pulls. Every other peer follows its parent a
+    chunk-time behind, a pulling one too (a stalled parent that answers a ping is waited for once
+    more). ``adopt`` off (the relay before adoption): a cut peer and everyone under it pull."""
+
+    def __init__(
+        self,
+        plan: BroadcastPlan,
+        s: int,
+        parent: dict[str, str],
+        times: dict[tuple[int, str], tuple[float, float, float]],
+        size: int,
+        chunk: int,
+        peers: dict[str, Peer],
+        up: dict[str, float],
+        rate: dict[Edge, float],
+        leave_at: dict[str, float],
+        live: dict[str, int],
+    ) -> None:
+        self.plan, self.s, self.parent, self.times, self.size, self.chunk = plan, s, parent, times, size, chunk
+        self.peers, self.up, self.rate, self.leave_at, self.live = peers, up, rate, leave_at, live
+        self.order: list[str] = []  # top down
+        self.feed: dict[str, float] = {plan.learner: INF}  # the rate each peer receives this stripe at
+        self.broken: dict[str, float] = {}  # peers pulling -> when their stream stopped
+        self.adopted: dict[str, tuple[str, float, float]] = {}  # peer -> (adopter, rate, when cut)
+        self.taken: dict[str, int] = {}  # adopter -> peers adopted in this stripe
+
+    def walk(self, adopt: bool) -> None:
+        """Decide, top down, who follows its parent, who is adopted by whom, who pulls."""
+        stripe = self.plan.stripes[self.s]
+        queue = list(stripe.children.get(self.plan.learner, ()))
+        for node in queue:
+            queue.extend(stripe.children.get(node, ()))
+            self.order.append(node)
+            p = self.parent[node]
+            left = self.leave_at.get(p, INF)
+            cut_here = left < self.times[(self.s, node)][2]
+            if not adopt and (p in self.broken or cut_here):
+                self.broken[node] = min(self.broken.get(p, INF), left if cut_here else INF)
+            elif cut_here and not self._adopt(node, left):
+                self.broken[node] = left
+            self.feed.setdefault(node, 0.0 if node in self.broken else min(self.rate[(self.s, p, node)], self.feed[p]))
+
+    def finish(self, pulled: dict[str, float]) -> dict[str, float]:
+        """Every peer's done time, given the pulling peers' (``pulled``)."""
+        done = {self.plan.learner: 0.0}
+        for node in self.order:
+            p = self.parent[node]
+            planned = self.times[(self.s, node)][2]
+            if node in self.broken:
+                done[node] = pulled[node]
+            elif node in self.adopted:
+                a, r, left = self.adopted[node]
+                start, _first, end = self.times[(self.s, node)]
+                rest = self.size - _received(left, start, end, self.size)
+                done[node] = max(left + STALL_S + rest / r, done[a] + min(self.chunk, self.size) / r)
+            elif p in self.leave_at:  # it had the stripe before its parent left
+                done[node] = planned
+            else:  # a delay upstream reaches it a chunk-time later
+                done[node] = max(planned, done[p] + min(self.chunk, self.size) / self.rate[(self.s, p, node)])
+        return done
+
+    def _adopt(self, node: str, left: float) -> bool:
+        """Adopt ``node`` (its parent left at ``left``) by the first ancestor that may."""
+        a = self.parent[node]
+        start, _first, end = self.times[(self.s, node)]
+        rest = self.size - _received(left, start, end, self.size)
+        while a != self.plan.learner:
+            a = self.parent[a]
+            if self.taken.get(a, 0) >= self.plan.fanout or a in self.broken or not self.feed.get(a):
+                continue
+            r = min(self.up[a] / (self.live[a] + self.taken.get(a, 0) + 1), self.feed[a])
+            r = min(r, self.peers[node].down / len(self.plan.stripes))
+            stays = a == self.plan.learner or self.leave_at.get(a, INF) > left + STALL_S + rest / r
+            if stays and (a == self.plan.learner or self.peers[a].reachable):
+                self.taken[a] = self.taken.get(a, 0) + 1
+                self.adopted[node] = (a, r, left)
+                self.feed[node] = r
+                return True
+        return False
 
 
 def measured_versions(
@@ -321,6 +424,13 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
     return time.process_time() - t0, len(encoded), valid
 
 
+class Delivery(NamedTuple):
+    seconds: float  # until every remaining peer holds the version
+    no_churn_s: float  # the same plan with nobody leaving
+    pulled: int  # stripe streams cut and recovered chunk by chunk
+    adopted: int  # stripe streams cut and completed by an adopting ancestor
+
+
 def delivery(
     plan: BroadcastPlan,
     peers: list[Peer],
@@ -332,10 +442,11 @@ def delivery(
     churn: float = 0.0,
     seed: int = 0,
     leave_at: dict[str, float] | None = None,
-) -> tuple[float, float, int]:
-    """(seconds until every remaining peer holds the version, the same without churn, streams
-    recovered by pulls). ``leave_at`` (peer → time) fixes who leaves when; else a ``churn``
-    fraction leaves at uniform times in [0, the time without churn]."""
+    adopt: bool = True,
+) -> Delivery:
+    """One version's delivery. ``leave_at`` (peer → time) fixes who leaves when; else a
+    ``churn`` fraction leaves at uniform times in [0, the time without churn]. ``adopt`` off:
+    every cut stream pulls (the relay before adoption)."""
     up = {p.peer_id: p.up for p in peers} | {plan.learner: learner_up}
     down = {p.peer_id: p.down for p in peers}
     rate = edge_rates(plan, up, down)
@@ -347,9 +458,10 @@ def delivery(
         leaving = rng.sample(sorted(p.peer_id for p in peers), round(churn * len(peers)))
         leave_at = {p: rng.uniform(0, no_churn) for p in leaving}
     if not leave_at:
-        return no_churn, no_churn, 0
-    done, recovered = with_churn(plan, times, sizes, {p.peer_id: p for p in peers}, up, rate, leave_at, seed)
-    return max(done.values()), no_churn, recovered
+        return Delivery(no_churn, no_churn, 0, 0)
+    by_id = {p.peer_id: p for p in peers}
+    done, pulled, adopted = with_churn(plan, times, sizes, chunk, by_id, up, rate, leave_at, seed, adopt)
+    return Delivery(max(done.values()), no_churn, pulled, adopted)
 
 
 def simulate(args: argparse.Namespace) -> dict:
@@ -379,7 +491,7 @@ def simulate(args: argparse.Namespace) -> dict:
         hop = args.hop_ms / 1000
         return plan, built, delivery(plan, peers, learner_up, size, chunk, hop_s=hop, churn=args.churn, seed=args.seed)
 
-    plan, plan_build_s, (predicted, no_churn, recovered) = run(plan_peers)
+    plan, plan_build_s, (predicted, no_churn, recovered, adopted) = run(plan_peers)
     out = {
         "peers": len(peers),
         "nat_peers": sum(not p.reachable for p in peers),
@@ -397,10 +509,11 @@ def simulate(args: argparse.Namespace) -> dict:
         "ratio": round(predicted / bound, 3),
         "plan_bound_s": round(plan_bound(plan, size, up), 3),
         "streams_recovered": recovered,
+        "streams_adopted": adopted,
         "plan_build_s": round(plan_build_s, 3),
     }
     if not (args.no_weights or args.no_baseline):  # the same peers with every relay given k slots
-        base, _, (b_predicted, _, _) = run(plain)
+        base, _, (b_predicted, *_) = run(plain)
         out.update(
             {
                 "baseline_ratio": round(b_predicted / bound, 3),
@@ -408,6 +521,12 @@ def simulate(args: argparse.Namespace) -> dict:
                 "baseline_depth": base.depth,
                 "baseline_plan_bound_s": round(plan_bound(base, size, up), 3),
             }
+        )
+    if args.churn > 0:  # the same plan and departures, every cut stream pulling (before adoption)
+        hop = args.hop_ms / 1000
+        pulls = delivery(plan, peers, learner_up, size, chunk, hop_s=hop, churn=args.churn, seed=args.seed, adopt=False)
+        out.update(
+            {"no_adoption_predicted_s": round(pulls.seconds, 3), "no_adoption_ratio": round(pulls.seconds / bound, 3)}
         )
     if args.measured_versions > 0:  # the weights the learner measures, version after version
         seconds = measured_versions(plain, peers, learner_up, size, chunk, args)

@@ -22,6 +22,8 @@ Imports ``echorl.protocol`` (manifests, chunks, deltas, plans) and ``echorl.net`
   tickets). The transports themselves (libp2p streams, direct TCP) are ``net/transport/``.
 - ``push.py``: ``Pusher`` / ``PushInbox`` (pushed edges: a parent behind NAT dials its reachable
   child and pushes its stripe).
+- ``stripe_feed.py``: ``StripeFeed`` (one stripe into a relay: from its plan parent; if that
+  fails, adopted by the nearest live ancestor; what is still missing, pulled).
 - ``recovery.py``: ``recover_stripe`` (a stalled stripe's chunks from other holders),
   ``fetch_payload`` (a caught-up version's payload, chunk by chunk).
 - ``relay_process.py``: a bare relay as an OS process (benchmarks and tests).

@@ -251,24 +251,24 @@ class ChunkServer:
         if sub.run_id != self.run_id:
             raise ProtocolError(ErrorCode.NOT_FOUND, "other run")
         state = await self.state_for(sub.version)
-        if state is None or sub.stripe >= state.n_stripes or peer not in state.children[sub.stripe]:
+        if state is None or sub.stripe >= state.n_stripes or not state.adopt(sub.stripe, peer):
             raise ProtocolError(ErrorCode.NOT_FOUND, f"{short_id(peer)} is not my child in stripe {sub.stripe}")
         return state
 
     async def _on_stream(self, sub: Subscribe, stream: ChunkStream, peer: str) -> None:
-        await self.serve_stripe(stream, await self._check_subscribe(sub, peer), sub.stripe)
+        await self.serve_stripe(stream, await self._check_subscribe(sub, peer), sub.stripe, sub.skip or 0)
 
     async def _on_ticket(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, Subscribe)
         if self.direct_port is None:
             raise ProtocolError(ErrorCode.UNAVAILABLE, "no direct path here")
         await self._check_subscribe(msg, ctx.peer_id)
-        version, stripe = msg.version, msg.stripe
+        version, stripe, skip = msg.version, msg.stripe, msg.skip or 0
 
         async def on_connect(stream: ChunkStream) -> None:
             state = self.states.get(version)
             if state is not None:
-                await self.serve_stripe(stream, state, stripe)
+                await self.serve_stripe(stream, state, stripe, skip)
 
         return StreamTicket(ticket=self.tickets.issue(ctx.peer_id, on_connect), port=self.direct_port)
 
@@ -284,10 +284,11 @@ class ChunkServer:
             int(nbytes * upload_copies(state.plan) * state.n_stripes), hops=state.plan.depth
         )
 
-    async def serve_stripe(self, stream: ChunkStream, state: VersionState, stripe: int) -> None:
-        """Send ``stripe``'s chunks on ``stream`` as each arrives here, then close it cleanly."""
+    async def serve_stripe(self, stream: ChunkStream, state: VersionState, stripe: int, skip: int = 0) -> None:
+        """Send ``stripe``'s chunks but the first ``skip`` on ``stream`` as each arrives here,
+        then close it cleanly."""
         with trio.fail_after(self.stripe_deadline(state, stripe)):
-            for i in state.stripe_indices(stripe):
+            for i in state.stripe_indices(stripe)[skip:]:
                 await state.wait_for(i)
                 await stream.send(await state.body(i))
             await stream.close()

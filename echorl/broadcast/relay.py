@@ -24,7 +24,8 @@ modified; a caller that keeps it past the next version hard-links it (``Snapshot
 A version is used (``on_version``, ``relay.result``) only after the rebuilt safetensors file
 matched the signed manifest's result digest and every tensor digest. A parent that sends a bad
 chunk or stays silent for ``stall_s`` is reported to the learner (``BroadcastDone.suspects``)
-and the missing chunks of its stripe are fetched from other holders, the learner last.
+and its stripe comes from the nearest ancestor that adopts it, what is still missing from
+other holders, the learner last (``broadcast/stripe_feed.py``).
 
 No torch here: a relay moves bytes (``python -m echorl.broadcast.relay_process`` runs one as a process, for
 benchmarks and tests; it prints JSON lines: ready, version, done).
@@ -51,12 +52,12 @@ from echorl.broadcast.files import (
     write_at,
 )
 from echorl.broadcast.push import Pusher, PushInbox
-from echorl.broadcast.recovery import fetch_payload, recover_stripe
+from echorl.broadcast.recovery import fetch_payload
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
-from echorl.net.framing import STREAM_ERRORS, Truncated
+from echorl.broadcast.stripe_feed import StripeFeed
 from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.ratelimit import RateLimit
-from echorl.net.transport import PULL, ChunkStream, UploadLimiter, listen_ip
+from echorl.net.transport import PULL, UploadLimiter, listen_ip
 from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import short_id
@@ -65,11 +66,9 @@ from echorl.protocol.messages import (
     BroadcastDone,
     CatchUp,
     CatchUpRequest,
-    Chunk,
     Manifest,
     Message,
     PlanAnnounce,
-    Subscribe,
 )
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, DONE
 
@@ -82,7 +81,6 @@ TICKET_WAIT_S = 10.0  # a plan parent answers a direct-path ticket request withi
 #: never slows an honest catch-up, but one host (or a crowd of identities behind one address)
 #: cannot take a node's whole uplink; the node's ``UploadLimiter`` caps all of it together
 NODE_FETCH_LIMIT = RateLimit(16 * 2**20, 64 * 2**20)
-INLINE_HASH_BYTES = 512 * 1024  # chunks up to this size are hashed on the loop (< 0.5 ms)
 
 
 class Relay:
@@ -126,6 +124,9 @@ class Relay:
         self.pull = self.server.dialer(PULL, ticket_timeout_s=TICKET_WAIT_S)  # our plan parents
         self.inbox = PushInbox(self.server)  # behind NAT, parents push to us; we push to children
         self.pusher = Pusher(self.server)
+        self.feed = StripeFeed(
+            host, run_id, self.pull, self.inbox, self.deadlines, stall_s, self.server.announce_wait_s
+        )
         self._push_nursery: trio.Nursery | None = None
         self.version = -1
         # the learner process our node joined under (None: not yet joined): manifests of another
@@ -219,7 +220,7 @@ class Relay:
         with trio.move_on_after(self.version_deadline(state)):
             async with trio.open_nursery() as nursery:
                 for s in range(state.n_stripes):
-                    nursery.start_soon(self._receive_stripe, state, s, suspects, recovered)
+                    nursery.start_soon(self.feed.receive, state, s, suspects, recovered)
         new = False
         m = state.manifest
         # a delta whose base we lack (a newcomer, or one that fell behind): the chunks are relayed,
@@ -277,57 +278,6 @@ class Relay:
             return self.version_timeout_s
         nbytes = int(state.manifest.payload_bytes * upload_copies(state.plan))
         return self.deadlines.for_bytes(nbytes, hops=state.plan.depth)
-
-    async def _receive_stripe(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
-        parent = state.parents.get(s)
-        if parent is not None and not state.stripe_complete(s):
-            try:
-                await self._stream_from(parent, state, s)
-            except (PeerUnavailable, Truncated, trio.TooSlowError, ProtocolError, *STREAM_ERRORS) as exc:
-                log.info(
-                    "v%d stripe %d: parent %s failed: %s: %s",
-                    state.version,
-                    s,
-                    short_id(parent),
-                    type(exc).__name__,
-                    exc,
-                )
-                suspects.add(parent)
-        if not state.stripe_complete(s):
-            await self._recover(state, s, suspects, recovered)
-
-    async def _open_source(self, parent: str, state: VersionState, s: int) -> ChunkStream:
-        if state.plan.pushed(parent, self.host.peer_id):  # it cannot be dialled: it dials us
-            return await self.inbox.wait(state, s, parent, self.stall_s + self.server.announce_wait_s)
-        return await self.pull.open(parent, Subscribe(run_id=self.run_id, version=state.version, stripe=s))
-
-    async def _stream_from(self, parent: str, state: VersionState, s: int) -> None:
-        """The stripe from ``parent``: each frame's first byte within ``stall_s``, its whole body
-        within a chunk's deadline (its bytes at the floor rate), so a parent that trickles is a
-        stall too, not only one that goes silent."""
-        source = await self._open_source(parent, state, s)
-        chunk_deadline = self.deadlines.for_bytes(state.manifest.chunk_bytes)
-        try:
-            async for body in source.frames(first_byte_timeout=self.stall_s, frame_timeout=chunk_deadline):
-                msg = wire.decode(body, expect=Chunk)
-                assert isinstance(msg, Chunk)
-                if len(msg.data) <= INLINE_HASH_BYTES:
-                    state.verify(msg.digest, msg.data)  # ~0.1 ms: cheaper than a thread hop
-                else:
-                    await trio.to_thread.run_sync(state.verify, msg.digest, msg.data)
-                await state.put(msg.digest, msg.data, body)
-                state.note_streamed(s, len(msg.data), source.transit_s)
-                if state.stripe_complete(s):
-                    return
-            if not state.stripe_complete(s):
-                raise Truncated("parent ended the stream early")
-        finally:
-            await source.aclose()
-
-    async def _recover(self, state: VersionState, s: int, suspects: set[str], recovered: list[int]) -> None:
-        """Pull the stripe's missing chunks from other holders (``broadcast/recovery.py``)."""
-        timeout = max(self.stall_s * 2, self.deadlines.for_bytes(state.manifest.chunk_bytes))
-        await recover_stripe(self.host, state, s, self.learner, suspects, recovered, timeout)
 
     # --- applying -------------------------------------------------------------------------------
     @property

@@ -48,6 +48,7 @@ async def _main(args: argparse.Namespace, relay_class: type[Relay] = Relay) -> N
                     "t": time.time(),
                     "rss_mb": rss_mb(),
                     "cache_peak_mb": relay.server.store.cache.peak_bytes / 2**20,
+                    "adopted": relay.feed.adopted,  # stripes completed by an ancestor, all versions
                 }
             )
 

@@ -179,8 +179,10 @@ class VersionState:
         self.by_digest: dict[bytes, list[int]] = {}
         for i, ref in enumerate(self.manifest.chunks):
             self.by_digest.setdefault(ref.digest, []).append(i)
-        self.parents = {s: st.parent_of().get(me) for s, st in enumerate(self.plan.stripes)}
+        self._up = [st.parent_of() for st in self.plan.stripes]  # per stripe: member -> its parent
+        self.parents = {s: up.get(me) for s, up in enumerate(self._up)}
         self.children = {s: st.children.get(me, ()) for s, st in enumerate(self.plan.stripes)}
+        self._adopted: dict[int, set[str]] = {}  # stripe -> descendants streamed to off the plan
         self._changed = trio.Event()
         self.done = trio.Event()
         self.started = time.monotonic()
@@ -275,6 +277,47 @@ class VersionState:
     async def wait_for(self, i: int) -> None:
         while not self.have[i]:
             await self._changed.wait()
+
+    def ancestors(self, s: int) -> list[str]:
+        """This peer's ancestors in stripe ``s``, its plan parent first, the learner last."""
+        out: list[str] = []
+        up = self.parents.get(s)
+        while up is not None and len(out) <= len(self.plan.peers):  # a plan is a tree: bounded anyway
+            out.append(up)
+            up = self._up[s].get(up)
+        return out
+
+    def adopt(self, s: int, peer: str) -> bool:
+        """Whether to stream stripe ``s`` to ``peer``: a plan child, or a descendant whose own
+        parent failed (adoption, ``broadcast/stripe_feed.py``), at most ``fanout`` of those per
+        stripe: an extra copy of a stripe at most, whatever a hostile member asks."""
+        if peer in self.children.get(s, ()):
+            return True
+        adopted = self._adopted.setdefault(s, set())
+        if peer in adopted:
+            return True
+        if len(adopted) >= self.plan.fanout or not self._descends(s, peer):
+            return False
+        adopted.add(peer)
+        return True
+
+    def _descends(self, s: int, peer: str) -> bool:
+        up, hops = self._up[s].get(peer), 0
+        while up is not None and hops <= len(self.plan.peers):
+            if up == self.me:
+                return True
+            up, hops = self._up[s].get(up), hops + 1
+        return False
+
+    def held_prefix(self, s: int) -> int:
+        """How many of stripe ``s``'s chunks, in stripe order, this peer holds before the
+        first it lacks (``Subscribe.skip`` when it asks another peer for the rest)."""
+        n = 0
+        for i in self.stripe_indices(s):
+            if not self.have[i]:
+                break
+            n += 1
+        return n
 
     def stripe_complete(self, s: int) -> bool:
         return all(self.have[i] for i in self.stripe_indices(s))

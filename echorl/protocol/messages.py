@@ -380,14 +380,16 @@ class PlanAnnounce(Message):
     signature: Signature = b"\0" * 64
 
 
-class Subscribe(Message):
-    """Child → parent, first frame of a chunk stream: send me stripe ``stripe`` of ``version``
-    (then the parent writes ``Chunk`` frames, in chunk order, as each chunk is verified)."""
+class Subscribe(Message, OptionalFieldsModel):
+    """Child → parent (adopted: → an ancestor, protocol.md §4.5), first frame of a chunk stream: send
+    stripe ``stripe`` of ``version`` but its first ``skip`` (omitted: 0) chunks, in order, as verified."""
 
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("skip",)
     type: Literal["subscribe"] = "subscribe"
     run_id: RunId
     version: Version
     stripe: Annotated[int, Field(ge=0, le=64)]
+    skip: Count | None = None
 
 
 class StreamRate(WireModel):

@@ -70,7 +70,7 @@ def test_parent_that_trickles_a_chunk_is_a_stall() -> None:
             async def open_source(*_: object) -> FramedStream:
                 return FramedStream(TcpStreamAdapter(child), io_timeout=120.0)
 
-            relay._open_source = open_source  # type: ignore[method-assign]
+            relay.feed.open_source = open_source  # type: ignore[method-assign]
             state = SimpleNamespace(manifest=SimpleNamespace(chunk_bytes=64 * 1024), stripe_complete=lambda s: False)
 
             async def trickle() -> None:
@@ -83,7 +83,7 @@ def test_parent_that_trickles_a_chunk_is_a_stall() -> None:
                 nursery.start_soon(trickle)
                 t0 = trio.current_time()
                 with pytest.raises(trio.TooSlowError):
-                    await relay._stream_from("parent", state, 0)  # type: ignore[arg-type]
+                    await relay.feed.stream("parent", state, 0)  # type: ignore[arg-type]
                 assert trio.current_time() - t0 < 5.0  # the chunk deadline is ~1.2 s here
                 nursery.cancel_scope.cancel()
 

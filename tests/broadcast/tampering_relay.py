@@ -51,8 +51,8 @@ class TamperingRelay(Relay):
         super().__init__(*args, **kwargs)
         serve = self.server.serve_stripe
 
-        async def serve_tampered(stream: ChunkStream, state: VersionState, stripe: int) -> None:
-            await serve(TamperingStream(stream), state, stripe)
+        async def serve_tampered(stream: ChunkStream, state: VersionState, stripe: int, skip: int = 0) -> None:
+            await serve(TamperingStream(stream), state, stripe, skip)
 
         self.server.serve_stripe = serve_tampered  # type: ignore[method-assign]
 

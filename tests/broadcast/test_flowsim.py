@@ -41,7 +41,7 @@ def test_chain_is_the_slowest_upstream_link_plus_one_chunk_per_hop():
     y = plan.children(x, 0)[0]
     ups = {p.peer_id: p.up for p in peers}
     size = 12 * CHUNK
-    got, no_churn, recovered = flowsim.delivery(plan, peers, B, size, CHUNK)
+    got, no_churn, recovered, _ = flowsim.delivery(plan, peers, B, size, CHUNK)
     # each stream runs at min(its parent's uplink, the rate the parent receives)
     r_xy = min(ups[x], B)
     r_yz = min(ups[y], r_xy)
@@ -59,12 +59,12 @@ def test_three_stripes_of_three_peers_take_w_over_b_plus_the_fill():
     plan = _plan(peers, 4)
     assert [len(s.children[flowsim.LEARNER]) for s in plan.stripes] == [1, 1, 1]
     size = 3 * 4 * CHUNK
-    got, _, _ = flowsim.delivery(plan, peers, B, size, CHUNK)
+    got, *_ = flowsim.delivery(plan, peers, B, size, CHUNK)
     assert got == pytest.approx(size / B + 3 * CHUNK / B)
     assert flowsim.lower_bound(size, B, peers) == pytest.approx(size / B)
 
 
-def test_a_relay_leaving_makes_its_subtree_stall_then_pull_the_stripe():
+def test_without_adoption_a_relay_leaving_makes_its_subtree_stall_then_pull_the_stripe():
     # the chain's head leaves at 0: the two below hear nothing for STALL_S, then each pulls
     # the whole stripe from the other (4 requests in flight at a fair share of its uplink:
     # B / (1 tree stream or none, + 4 requests)), but not before the median member has it
@@ -72,10 +72,42 @@ def test_a_relay_leaving_makes_its_subtree_stall_then_pull_the_stripe():
     plan = _plan(peers, 1)
     head = plan.children(flowsim.LEARNER, 0)[0]
     size = 12 * CHUNK
-    got, no_churn, recovered = flowsim.delivery(plan, peers, B, size, CHUNK, leave_at={head: 0.0})
+    got, no_churn, recovered, adopted = flowsim.delivery(plan, peers, B, size, CHUNK, leave_at={head: 0.0}, adopt=False)
     assert no_churn == pytest.approx(size / B + 2 * CHUNK / B)
-    assert recovered == 2
+    assert (recovered, adopted) == (2, 0)
     assert got == pytest.approx(flowsim.STALL_S + size / (4 * B / 5))
+
+
+def test_the_orphan_of_a_relay_leaving_is_adopted_and_its_subtree_follows_it():
+    # learner -> head -> x -> y; head leaves at 0: x hears nothing for STALL_S, then the learner
+    # (x's nearest ancestor that stays) streams it the stripe at its whole uplink (its one tree
+    # stream went with the head); y, still fed by x, gets each chunk a chunk-time after x
+    peers = _peers([B, B, B])
+    plan = _plan(peers, 1)
+    head = plan.children(flowsim.LEARNER, 0)[0]
+    size = 12 * CHUNK
+    got, _, recovered, adopted = flowsim.delivery(plan, peers, B, size, CHUNK, leave_at={head: 0.0})
+    assert (recovered, adopted) == (0, 1)
+    assert got == pytest.approx(flowsim.STALL_S + size / B + CHUNK / B)
+
+
+def test_an_ancestor_that_has_adopted_fanout_peers_sends_the_next_orphan_further_up_or_to_pulls():
+    # learner -> h -> x -> y -> z, fanout 1: h and y leave at 0. x is adopted by the learner;
+    # z's nearest ancestor that stays is x (it adopts z, fed by the learner), not the learner
+    peers = _peers([B, B, B, B])
+    plan = _plan(peers, 1)
+    chain = [plan.children(flowsim.LEARNER, 0)[0]]
+    while plan.children(chain[-1], 0):
+        chain.append(plan.children(chain[-1], 0)[0])
+    h, x, y, z = chain
+    size = 12 * CHUNK
+    got, _, recovered, adopted = flowsim.delivery(plan, peers, B, size, CHUNK, leave_at={h: 0.0, y: 0.0})
+    assert (recovered, adopted) == (0, 2)
+    assert got == pytest.approx(flowsim.STALL_S + size / B + CHUNK / B)  # z a chunk behind x
+    # x unable to adopt (behind NAT, not dialable): the learner has adopted its one already: z pulls
+    natted = [flowsim.Peer(p.peer_id, p.up, p.down, p.peer_id != x) for p in peers]
+    _, _, recovered, adopted = flowsim.delivery(plan, natted, B, size, CHUNK, leave_at={h: 0.0, y: 0.0})
+    assert (recovered, adopted) == (1, 1)
 
 
 def test_fair_share_gives_a_capped_flow_s_leftover_to_the_others():
