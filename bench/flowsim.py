@@ -23,8 +23,10 @@ between ``--uplink-mbps`` and ``--uplink-max-mbps`` (an assumption, see docs/bro
 - **Churn**: a fraction ``--churn`` of the peers leave at uniform random times in
   [0, T₀] (T₀: the time without churn). A peer whose parent left before the stripe had passed
   it hears nothing for ``stall_s`` (relay default 10 s: the first-byte deadline), then is
-  **adopted** (``broadcast/stripe_feed.py``) by its nearest ancestor that stays, can be dialled
-  (or is the learner) and has adopted fewer than ``fanout`` in that stripe: the rest of the
+  **adopted** (``broadcast/stripe_feed.py``) by the first of its ancestors (the learner last;
+  the siblings before it first when its parent was the stripe's head) that stays, can be dialled
+  (or is the learner)
+  and has adopted fewer than ``fanout`` in that stripe: the rest of the
   stripe at a fair share of the adopter's uplink beside its streams to peers that stay, no
   faster than the adopter receives it; its own subtree follows it a chunk-time behind (a
   stalled parent that answers a ping is waited for once more, so they do not walk away). With
@@ -257,11 +259,12 @@ def with_churn(
 
 class _StripeChurn:
     """One stripe's tree under churn, top down (``broadcast/stripe_feed.py``): a peer whose parent
-    left before the stripe had passed it hears nothing for ``STALL_S``, then is adopted by its
-    nearest ancestor that stays until it is done, can be dialled (or is the learner), is not
-    pulling and has adopted fewer than ``fanout`` in this stripe: the rest of the stripe at a fair
-    share of that ancestor's uplink beside its streams to peers that stay, no faster than the
-    ancestor receives it. With no such ancestor it pulls. Every other peer follows its parent a
+    left before the stripe had passed it hears nothing for ``STALL_S``, then is adopted by the
+    first of its ancestors (the learner last; the siblings before it first when its parent was
+    the stripe's head) that stays until it is done, can be dialled (or is the learner), is not pulling and has adopted
+    fewer than ``fanout`` in this stripe: the rest of the stripe at a fair share of the adopter's
+    uplink beside its streams to peers that stay, no faster than the adopter receives it. With no
+    such peer it pulls. Every other peer follows its parent a
     chunk-time behind, a pulling one too (a stalled parent that answers a ping is waited for once
     more). ``adopt`` off (the relay before adoption): a cut peer and everyone under it pull."""
 
@@ -322,13 +325,24 @@ class _StripeChurn:
                 done[node] = max(planned, done[p] + min(self.chunk, self.size) / self.rate[(self.s, p, node)])
         return done
 
-    def _adopt(self, node: str, left: float) -> bool:
-        """Adopt ``node`` (its parent left at ``left``) by the first ancestor that may."""
-        a = self.parent[node]
-        start, _first, end = self.times[(self.s, node)]
-        rest = self.size - _received(left, start, end, self.size)
+    def _candidates(self, node: str) -> list[str]:
+        """Whom ``node`` asks, in order (``StripeFeed._adopted``): the ancestors above its parent,
+        the learner last; when that is the learner alone (its parent was the stripe's head), the
+        siblings before it first, nearest first."""
+        out, a = [], self.parent[node]
         while a != self.plan.learner:
             a = self.parent[a]
+            out.append(a)
+        if out == [self.plan.learner]:
+            siblings = self.plan.stripes[self.s].children[self.parent[node]]
+            out = [*reversed(siblings[: siblings.index(node)]), *out]
+        return out
+
+    def _adopt(self, node: str, left: float) -> bool:
+        """Adopt ``node`` (its parent left at ``left``) by the first candidate that may."""
+        start, _first, end = self.times[(self.s, node)]
+        rest = self.size - _received(left, start, end, self.size)
+        for a in self._candidates(node):
             if self.taken.get(a, 0) >= self.plan.fanout or a in self.broken or not self.feed.get(a):
                 continue
             r = min(self.up[a] / (self.live[a] + self.taken.get(a, 0) + 1), self.feed[a])

@@ -287,19 +287,33 @@ class VersionState:
             up = self._up[s].get(up)
         return out
 
+    def earlier_siblings(self, s: int) -> list[str]:
+        """The children of this peer's plan parent in stripe ``s`` listed before it, nearest first
+        (an orphan asks them before its ancestors: a chain of siblings, each fed by the one before,
+        spreads the repair over their uplinks instead of the learner's)."""
+        parent = self.parents.get(s)
+        siblings = self.plan.stripes[s].children.get(parent, ()) if parent is not None else ()
+        return list(reversed(siblings[: siblings.index(self.me)])) if self.me in siblings else []
+
     def adopt(self, s: int, peer: str) -> bool:
-        """Whether to stream stripe ``s`` to ``peer``: a plan child, or a descendant whose own
-        parent failed (adoption, ``broadcast/stripe_feed.py``), at most ``fanout`` of those per
-        stripe: an extra copy of a stripe at most, whatever a hostile member asks."""
+        """Whether to stream stripe ``s`` to ``peer``: a plan child; or, when its own parent
+        failed (adoption, ``broadcast/stripe_feed.py``), a descendant or a sibling listed after
+        this peer, at most ``fanout`` of those per stripe: an extra copy of a stripe at most,
+        whatever a hostile member asks. (Streams go only down the tree or to a later sibling, so
+        no two peers can wait on each other.)"""
         if peer in self.children.get(s, ()):
             return True
         adopted = self._adopted.setdefault(s, set())
         if peer in adopted:
             return True
-        if len(adopted) >= self.plan.fanout or not self._descends(s, peer):
+        if len(adopted) >= self.plan.fanout or not (self._descends(s, peer) or self._precedes(s, peer)):
             return False
         adopted.add(peer)
         return True
+
+    def _precedes(self, s: int, peer: str) -> bool:
+        siblings = self.plan.stripes[s].children.get(self.parents.get(s) or "", ())
+        return peer in siblings and self.me in siblings and siblings.index(peer) > siblings.index(self.me)
 
     def _descends(self, s: int, peer: str) -> bool:
         up, hops = self._up[s].get(peer), 0

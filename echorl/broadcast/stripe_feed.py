@@ -4,12 +4,15 @@ the nearest live ancestor in the stripe; what is still missing, pulled chunk by 
 Adoption (issue 27, self-repair under churn): when a plan parent dies mid-version, its children
 lose the rest of the stripe, and so does everything under them. Pulling the missing chunks one
 request at a time from random holders, the learner last, took twice the no-churn time in the
-namespace lab and had the learner upload 1.9 copies. Instead the orphan subscribes to its
-grandparent (then the next ancestor up, the learner last) for the stripe *but the chunks it
-holds* (``Subscribe.skip``), and goes on forwarding to its own children as before: one stream
-repairs the whole subtree. An ancestor streams to at most ``fanout`` descendants per stripe
-beyond its plan children (``VersionState.adopt``: at most one more copy of the stripe, whatever
-a hostile member asks), so a member refused there tries the next ancestor up. Only the plan
+namespace lab and had the learner upload 1.9 copies. Instead the orphan subscribes for the
+stripe *but the chunks it holds* (``Subscribe.skip``) to its grandparent (then the next
+ancestor up, the learner last), and goes on forwarding to its own children as before: one
+stream repairs the whole subtree. The orphans of a dead stripe head, whose grandparent is the
+learner, first ask the sibling listed just before them (then the one before that): they become a
+chain the learner feeds once, not ``fanout`` times. A peer streams to at most ``fanout`` such adoptees per stripe
+beyond its plan children, only descendants and later siblings (``VersionState.adopt``: at most
+one more copy of the stripe, whatever a hostile member asks, and no two peers can wait on each
+other), so a member refused there tries the next candidate. Only the plan
 parent's failure is reported to the learner (``BroadcastDone.suspects``); an ancestor that
 refuses or stalls an adoption may just have lost its own feed. A parent that stalls but still
 answers a ping is asked once more before it counts as failed: it may be being adopted itself.
@@ -76,7 +79,7 @@ class StripeFeed:
             if failure is not None:
                 log.info("v%d stripe %d: parent %s failed: %r", state.version, s, short_id(parent), failure)
                 suspects.add(parent)
-                await self._adopted_by_ancestor(state, s, suspects)
+                await self._adopted(state, s, suspects)
         if not state.stripe_complete(s):
             await recover_stripe(
                 self.host, state, s, state.plan.learner, suspects, recovered, self._pull_timeout(state)
@@ -106,20 +109,30 @@ class StripeFeed:
             return False
         return True
 
-    async def _adopted_by_ancestor(self, state: VersionState, s: int, suspects: set[str]) -> None:
-        for ancestor in state.ancestors(s)[1:]:
+    async def _adopted(self, state: VersionState, s: int, suspects: set[str]) -> None:
+        """The rest of stripe ``s`` from the first that adopts us: an ancestor above the failed
+        parent, nearest first, the learner last. When that is the learner alone (the parent was
+        the stripe's head), the siblings before us are asked first, nearest first: the learner's
+        uplink is the one every peer shares, so it feeds the head's orphans once, as a chain, not
+        ``fanout`` times; a relay's grandparent adopts its orphans as well (and a sibling chain of
+        slow uplinks is as slow as its slowest: in the simulator, siblings first everywhere made
+        40 % churn of 1,000 peers 4.6 × the bound, against 1.5 ×)."""
+        sources = state.ancestors(s)[1:]
+        if sources == [state.plan.learner]:
+            sources = [*state.earlier_siblings(s), *sources]
+        for source in sources:
             if state.stripe_complete(s):
                 return
-            if ancestor in suspects or (ancestor != state.plan.learner and ancestor in state.plan.unreachable):
+            if source in suspects or (source != state.plan.learner and source in state.plan.unreachable):
                 continue  # a peer behind NAT cannot be dialled; it pushes to its plan children only
             try:
-                await self.stream(ancestor, state, s, resume=True)
+                await self.stream(source, state, s, resume=True)
             except SOURCE_FAILURES as exc:
-                log.info("v%d stripe %d: ancestor %s did not adopt: %s", state.version, s, short_id(ancestor), exc)
+                log.info("v%d stripe %d: %s did not adopt: %s", state.version, s, short_id(source), exc)
                 continue
             if state.stripe_complete(s):
                 self.adopted += 1
-                log.info("v%d stripe %d: adopted by %s", state.version, s, short_id(ancestor))
+                log.info("v%d stripe %d: adopted by %s", state.version, s, short_id(source))
 
     async def open_source(self, source: str, state: VersionState, s: int, skip: int = 0) -> ChunkStream:
         if state.plan.pushed(source, self.host.peer_id):  # a plan parent that cannot be dialled dials us

@@ -81,6 +81,17 @@ def test_an_ancestor_adopts_at_most_fanout_descendants_per_stripe_and_no_one_els
     assert not mine.adopt(0, learner.peer_id)
 
 
+def test_an_orphan_asks_the_siblings_before_it_and_only_a_later_sibling_is_adopted() -> None:
+    ann, learner = _announce(14)
+    stripe = _state(ann, learner.peer_id).plan.stripes[0]
+    parent = next(p for p, cs in stripe.children.items() if len(cs) == FANOUT and p != learner.peer_id)
+    first, second = stripe.children[parent]
+    assert _state(ann, second).earlier_siblings(0) == [first]
+    assert _state(ann, first).earlier_siblings(0) == []
+    assert _state(ann, first).adopt(0, second)  # down the sibling order: yes
+    assert not _state(ann, second).adopt(0, first)  # up it: never (no two peers wait on each other)
+
+
 def _descends(up: dict[str, str], peer: str, ancestor: str) -> bool:
     while peer in up:
         peer = up[peer]
@@ -109,9 +120,11 @@ def test_a_stalled_parent_that_answers_a_ping_is_asked_once_more_else_an_ancesto
     ann, learner = _announce(14)
     view = _state(ann, learner.peer_id)
     depth = view.plan.stripes[0].depth_of(learner.peer_id)
-    me = next(p for p, d in depth.items() if d >= 3)
+    up = view.plan.stripes[0].parent_of()
+    me = next(p for p, d in depth.items() if d >= 3 and view.plan.stripes[0].children[up[p]][0] == p)
     state = _state(ann, me)
     parent, grandparent = state.ancestors(0)[:2]
+    assert state.earlier_siblings(0) == []  # a first child: its grandparent is the first it asks
     stripe = list(state.stripe_indices(0))
     assert len(stripe) >= 2
     bodies = [
