@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -280,20 +281,13 @@ class VersionState:
 
     def ancestors(self, s: int) -> list[str]:
         """This peer's ancestors in stripe ``s``, its plan parent first, the learner last."""
-        out: list[str] = []
-        up = self.parents.get(s)
-        while up is not None and len(out) <= len(self.plan.peers):  # a plan is a tree: bounded anyway
-            out.append(up)
-            up = self._up[s].get(up)
-        return out
+        return list(self._up_from(s, self.me))
 
     def earlier_siblings(self, s: int) -> list[str]:
         """The children of this peer's plan parent in stripe ``s`` listed before it, nearest first
         (an orphan asks them before its ancestors: a chain of siblings, each fed by the one before,
         spreads the repair over their uplinks instead of the learner's)."""
-        parent = self.parents.get(s)
-        siblings = self.plan.stripes[s].children.get(parent, ()) if parent is not None else ()
-        return list(reversed(siblings[: siblings.index(self.me)])) if self.me in siblings else []
+        return list(reversed(self._earlier_than(s, self.me)))
 
     def adopt(self, s: int, peer: str) -> bool:
         """Whether to stream stripe ``s`` to ``peer``: a plan child; or, when its own parent
@@ -306,22 +300,29 @@ class VersionState:
         adopted = self._adopted.setdefault(s, set())
         if peer in adopted:
             return True
-        if len(adopted) >= self.plan.fanout or not (self._descends(s, peer) or self._precedes(s, peer)):
+        descends = self.me in self._up_from(s, peer)
+        if len(adopted) >= self.plan.fanout or not (descends or self.me in self._earlier_than(s, peer)):
             return False
         adopted.add(peer)
         return True
 
-    def _precedes(self, s: int, peer: str) -> bool:
-        siblings = self.plan.stripes[s].children.get(self.parents.get(s) or "", ())
-        return peer in siblings and self.me in siblings and siblings.index(peer) > siblings.index(self.me)
+    def _up_from(self, s: int, peer: str) -> Iterator[str]:
+        """``peer``'s ancestors in stripe ``s``, nearest first (a plan is a tree: bounded anyway)."""
+        up = self._up[s].get(peer)
+        for _ in range(len(self.plan.peers) + 1):
+            if up is None:
+                return
+            yield up
+            up = self._up[s].get(up)
 
-    def _descends(self, s: int, peer: str) -> bool:
-        up, hops = self._up[s].get(peer), 0
-        while up is not None and hops <= len(self.plan.peers):
-            if up == self.me:
-                return True
-            up, hops = self._up[s].get(up), hops + 1
-        return False
+    def _siblings(self, s: int) -> tuple[str, ...]:
+        parent = self.parents.get(s)
+        return self.plan.stripes[s].children.get(parent, ()) if parent is not None else ()
+
+    def _earlier_than(self, s: int, peer: str) -> tuple[str, ...]:
+        """The siblings of this peer listed before ``peer`` (empty if ``peer`` is not one)."""
+        siblings = self._siblings(s)
+        return siblings[: siblings.index(peer)] if peer in siblings else ()
 
     def held_prefix(self, s: int) -> int:
         """How many of stripe ``s``'s chunks, in stripe order, this peer holds before the

@@ -8,14 +8,15 @@ namespace lab and had the learner upload 1.9 copies. Instead the orphan subscrib
 stripe *but the chunks it holds* (``Subscribe.skip``) to its grandparent (then the next
 ancestor up, the learner last), and goes on forwarding to its own children as before: one
 stream repairs the whole subtree. The orphans of a dead stripe head, whose grandparent is the
-learner, first ask the sibling listed just before them (then the one before that): they become a
-chain the learner feeds once, not ``fanout`` times. A peer streams to at most ``fanout`` such adoptees per stripe
-beyond its plan children, only descendants and later siblings (``VersionState.adopt``: at most
-one more copy of the stripe, whatever a hostile member asks, and no two peers can wait on each
-other), so a member refused there tries the next candidate. Only the plan
-parent's failure is reported to the learner (``BroadcastDone.suspects``); an ancestor that
-refuses or stalls an adoption may just have lost its own feed. A parent that stalls but still
-answers a ping is asked once more before it counts as failed: it may be being adopted itself.
+learner, first ask the sibling listed just before them (then the one before that): they become
+a chain the learner feeds once, not ``fanout`` times. A peer streams to at most ``fanout`` such
+adoptees per stripe beyond its plan children, only descendants and later siblings
+(``VersionState.adopt``: at most one more copy of the stripe, whatever a hostile member asks,
+and no two peers can wait on each other), so a member refused there tries the next candidate.
+Only the plan parent's failure is reported to the learner (``BroadcastDone.suspects``); an
+ancestor that refuses or stalls an adoption may just have lost its own feed. A parent that
+stalls but still answers a ping is asked once more before it counts as failed: it may be being
+adopted itself.
 
 Every chunk is verified against the signed manifest, whichever peer sent it.
 """
@@ -23,7 +24,6 @@ Every chunk is verified against the signed manifest, whichever peer sent it.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
@@ -32,7 +32,7 @@ from echorl.broadcast.push import PushInbox
 from echorl.broadcast.recovery import recover_stripe
 from echorl.broadcast.store import VersionState
 from echorl.net.framing import STREAM_ERRORS, Truncated
-from echorl.net.host import PeerUnavailable
+from echorl.net.host import Host, PeerUnavailable
 from echorl.net.transport import ChunkDialer, ChunkStream
 from echorl.protocol import wire
 from echorl.protocol.errors import ProtocolError
@@ -52,7 +52,7 @@ class StripeFeed:
 
     def __init__(
         self,
-        host: Any,
+        host: Host,
         run_id: str,
         pull: ChunkDialer,
         inbox: PushInbox,
