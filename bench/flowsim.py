@@ -48,7 +48,9 @@ distribution time"; it ignores NAT, so it is also a bound with NAT); ``ratio``; 
 = max over uploaders of copiesᵢ·W/uᵢ (this plan's busiest uplink, the netlab's
 ``topology_bound_seconds`` for uneven uplinks); ``plan_build_s`` and ``announce_s`` (CPU
 seconds: ``plan_broadcast``; building, signing and encoding the ``PlanAnnounce``);
-``announce_bytes``; and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
+``announce_bytes``; ``announce_receive_s`` (a node's CPU seconds to decode, verify and plan it);
+``announce_upload_s`` (the learner's uplink seconds for one copy per member: the model leaves it out
+of ``predicted_s``, where it would come first); and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
 ``baseline_plan_bound_s``: the same peers planned without weights (``--no-baseline`` skips them);
 with ``--churn``, ``streams_adopted`` / ``streams_recovered`` and ``no_adoption_predicted_s``,
 ``no_adoption_ratio``: the same plan and departures with every cut stream pulling.
@@ -393,12 +395,21 @@ def _addr(i: int) -> str:
     return f"/ip4/10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}/tcp/4001"
 
 
-def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int) -> tuple[float, int, bool]:
-    """CPU seconds and bytes of building, signing and encoding the real ``PlanAnnounce`` for
-    these members, and whether it passes the message's limits (``MAX_PLAN_MEMBERS``)."""
+class AnnounceCost(NamedTuple):
+    build_s: float  # learner CPU: members fitted to the frame, the announcement built, signed, encoded
+    nbytes: int
+    valid: bool  # within the message's limits (``MAX_PLAN_MEMBERS``)
+    receive_s: float | None  # a node's CPU: decode, verify, plan (None: not valid)
+
+
+def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int) -> AnnounceCost:
+    """The real ``PlanAnnounce`` for these members: what it costs the learner to build and a node
+    to take (both on worker threads in the code), and its size."""
     from pydantic import ValidationError
 
-    from echorl.protocol import wire
+    from echorl.broadcast.members import ANNOUNCE_HEADROOM, fit_addrs
+    from echorl.broadcast.store import plan_of
+    from echorl.protocol import limits, snapshot, wire
     from echorl.protocol.identity import Identity
     from echorl.protocol.messages import ChunkRef, Manifest, PlanAnnounce, PlanMember
 
@@ -425,6 +436,7 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
         )
         for i, p in enumerate(plan_peers)
     ]
+    members = fit_addrs(members, limits.MAX_FRAME_BYTES - snapshot.manifest_wire_bytes(manifest) - ANNOUNCE_HEADROOM)
     fields = dict(
         run_id="flowsim", learner_peer_id=ident.peer_id, version=1, manifest=manifest, shape="striped",
         fanout=fanout, seed=0, learner_addrs=["/ip4/10.0.0.1/tcp/4001"], members=members, created_at=0.0,
@@ -435,7 +447,14 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
     except ValidationError:  # over MAX_PLAN_MEMBERS: the size it would have, unvalidated
         ann, valid = PlanAnnounce.model_construct(**fields), False
     encoded = wire.encode(wire.sign(ann, ident))
-    return time.process_time() - t0, len(encoded), valid
+    build_s = time.process_time() - t0
+    if not valid:
+        return AnnounceCost(build_s, len(encoded), False, None)
+    t0 = time.process_time()
+    received = wire.decode(encoded, expect=PlanAnnounce)
+    wire.verify(received, expected_signer=ident.peer_id)
+    plan_of(received)
+    return AnnounceCost(build_s, len(encoded), True, time.process_time() - t0)
 
 
 class Delivery(NamedTuple):
@@ -546,8 +565,17 @@ def simulate(args: argparse.Namespace) -> dict:
         seconds = measured_versions(plain, peers, learner_up, size, chunk, args)
         out["measured_ratios"] = [round(t / bound, 3) for t in seconds]
     if not args.no_announce:
-        cpu, nbytes, valid = announce_cost(plan_peers, size, chunk, args.fanout)
-        out.update({"announce_s": round(cpu, 3), "announce_bytes": nbytes, "announce_within_limits": valid})
+        cost = announce_cost(plan_peers, size, chunk, args.fanout)
+        out.update(
+            {
+                "announce_s": round(cost.build_s, 3),
+                "announce_bytes": cost.nbytes,
+                "announce_within_limits": cost.valid,
+                "announce_receive_s": None if cost.receive_s is None else round(cost.receive_s, 3),
+                # the learner sends each member its own copy: seconds of its uplink before any chunk
+                "announce_upload_s": round(len(plan_peers) * cost.nbytes / learner_up, 3),
+            }
+        )
     return out
 
 

@@ -4,7 +4,9 @@ Imports ``echorl.protocol`` (manifests, chunks, deltas, plans) and ``echorl.net`
 
 - ``broadcaster.py``: ``Broadcaster`` (learner side: builds a delta or full snapshot, signs the
   manifest and the ``PlanAnnounce``, serves the stripe roots, waits for ``BroadcastDone``),
-  ``NodeInfo``, ``BroadcastReport``.
+  ``BroadcastReport``.
+- ``members.py``: ``NodeInfo`` (a node as the learner hands it over), ``fit_addrs`` (the
+  members' addresses trimmed so the announcement stays one frame).
 - ``silence.py``: ``SilentMembers`` (plan members that did not answer the announce or never
   reported: left out of the next 2^k plans).
 - ``relay.py``: ``Relay`` (node side: receives chunks from plan parents, verifies each against

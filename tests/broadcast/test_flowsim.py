@@ -118,10 +118,10 @@ def test_announcement_is_the_real_signed_message_and_flags_the_member_cap():
     def members(n: int) -> list[PlanPeer]:
         return [PlanPeer(p.peer_id, p.reachable, not p.reachable) for p in flowsim.draw_peers(n, 0.5, 5, 100, 10, 0)]
 
-    _cpu, small, valid = flowsim.announce_cost(members(3), 4 * CHUNK, CHUNK, 4)
-    assert valid and small > 3 * 46
-    _cpu, big, valid = flowsim.announce_cost(members(limits.MAX_PLAN_MEMBERS + 1), 4 * CHUNK, CHUNK, 4)
-    assert not valid and big > limits.MAX_PLAN_MEMBERS * 46
+    small = flowsim.announce_cost(members(3), 4 * CHUNK, CHUNK, 4)
+    assert small.valid and small.nbytes > 3 * 46 and small.receive_s is not None
+    big = flowsim.announce_cost(members(limits.MAX_PLAN_MEMBERS + 1), 4 * CHUNK, CHUNK, 4)
+    assert not big.valid and big.nbytes > limits.MAX_PLAN_MEMBERS * 46 and big.receive_s is None
 
 
 def test_same_seed_same_prediction_and_a_cut_stream_waits_stall_s():

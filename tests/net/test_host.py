@@ -261,3 +261,20 @@ def test_a_failed_dial_does_not_block_the_peer_once_its_addresses_are_known():
             assert NEGATIVE_CACHE_S <= 5.0
 
     trio.run(main)
+
+
+def test_noted_addresses_reach_the_peerstore_at_the_first_dial_only():
+    """An announcement's member list is noted, not parsed (``note_peer_addrs``): the peerstore
+    learns a peer's addresses when it is first dialled, and a newer note replaces an older one."""
+
+    async def main():
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
+            store = a.libp2p.get_peerstore()
+            a.note_peer_addrs(b.peer_id, ["/ip4/127.0.0.1/tcp/1"])  # an old address, replaced
+            a.note_peer_addrs(b.peer_id, list(b.addrs))
+            assert b.peer_id not in {str(p) for p in store.peers_with_addrs()}
+            assert await a.ping(b.peer_id, timeout=5.0) > 0
+            stored = {str(x).split("/p2p/")[0] for x in store.addrs(ID.from_base58(b.peer_id))}
+            assert stored == {x.split("/p2p/")[0] for x in b.addrs}
+
+    trio.run(main)

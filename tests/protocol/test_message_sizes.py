@@ -111,27 +111,49 @@ def test_status_pages_of_100k_peers_each_fit_the_frame_cap():
     assert wire.decode(wire.encode(last), expect=Status).next_cursor is None
 
 
-def test_a_plan_announce_of_a_60_gb_model_and_4096_members_fits_the_frame_cap():
-    """The announce still carries the whole manifest and member list (not paged): at 60 GB and
-    the most members it allows, with two addresses each, it stays under the cap."""
-    from echorl.protocol.messages import PlanAnnounce, PlanMember
+def _announce(learner: Identity, manifest: Manifest, members: list) -> bytes:
+    from echorl.protocol.messages import PlanAnnounce
+
+    ann = PlanAnnounce(
+        run_id="run",
+        learner_peer_id=learner.peer_id,
+        version=manifest.version,
+        manifest=manifest,
+        shape="striped",
+        fanout=4,
+        seed=0,
+        learner_addrs=["/dns4/" + "l" * 200 + "/tcp/40001"] * 16,
+        members=members,
+        created_at=0.0,
+    )
+    return wire.encode(wire.sign(ann, learner))
+
+
+def test_a_plan_announce_fitted_by_the_learner_fits_the_frame_cap():
+    """The announce carries the whole manifest and member list in one frame: at 60 GB and the most
+    members it allows, each with 16 of the longest addresses, the learner's fitting
+    (``broadcast/members.py``) keeps it under the cap by trimming addresses, then members; 10,000
+    members with two ordinary addresses each and a 1 GiB model keep everything."""
+    from echorl.broadcast.members import ANNOUNCE_HEADROOM, fit_addrs
+    from echorl.protocol.messages import PlanMember
 
     learner = Identity.generate()
-    member = Identity.generate().peer_id
-    addrs = [f"/ip4/203.0.113.{i}/tcp/40001/p2p/{member}" for i in range(2)]
-    ann = wire.sign(
-        PlanAnnounce(
-            run_id="run",
-            learner_peer_id=learner.peer_id,
-            version=10,
-            manifest=_manifest(learner, 10, 60 * GB, 1000),
-            shape="striped",
-            fanout=4,
-            seed=0,
-            learner_addrs=addrs,
-            members=[PlanMember(peer_id=member, reachable=True, addrs=addrs)] * 4096,
-            created_at=0.0,
-        ),
-        learner,
-    )
-    assert len(wire.encode(ann)) <= limits.MAX_FRAME_BYTES
+    ids = [Identity.generate().peer_id for _ in range(64)]
+
+    def room(manifest: Manifest) -> int:
+        return limits.MAX_FRAME_BYTES - snapshot.manifest_wire_bytes(manifest) - ANNOUNCE_HEADROOM
+
+    huge = _manifest(learner, 10, 60 * GB, 1000)
+    longest = ["/dns4/" + "a" * (limits.MAX_ADDR_BYTES - 16) + "/tcp/1"] * 16
+    worst = [PlanMember(peer_id=ids[i % 64], reachable=True, addrs=longest) for i in range(limits.MAX_PLAN_MEMBERS)]
+    fitted = fit_addrs(worst, room(huge))
+    assert 0 < len(fitted) < len(worst) and all(len(m.addrs) == 1 for m in fitted)
+    assert len(_announce(learner, huge, fitted)) <= limits.MAX_FRAME_BYTES
+
+    gib = _manifest(learner, 11, 1 << 30, 300)
+    ordinary = [
+        PlanMember(peer_id=ids[i % 64], reachable=True, addrs=[f"/ip4/203.0.{i >> 8}.{i & 255}/tcp/40001"] * 2)
+        for i in range(10_000)
+    ]
+    assert fit_addrs(ordinary, room(gib)) == ordinary
+    assert len(_announce(learner, gib, ordinary)) <= limits.MAX_FRAME_BYTES

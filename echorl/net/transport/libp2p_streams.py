@@ -48,6 +48,7 @@ class Libp2pTransport(ChunkTransport):
         self.io_timeout = io_timeout
 
     async def open(self, peer: str, request: Subscribe) -> ChunkStream:
+        self.host.prepare_dial(peer)
         try:
             with trio.fail_after(self.host.config.connect_timeout_s + 5.0):
                 stream = await self.host.libp2p.new_stream(ID.from_base58(peer), [TProtocol(self.route)])
