@@ -158,10 +158,11 @@ class Host:
             del self._noted[next(iter(self._noted))]
 
     def prepare_dial(self, peer_id: str) -> None:
-        """Give the peerstore what ``note_peer_addrs`` kept for ``peer_id`` (before a new stream)."""
-        noted = self._noted.pop(peer_id, None)
-        if noted is not None:
-            self.add_peer_addrs(peer_id, list(noted))
+        """Give the peerstore what ``note_peer_addrs`` kept for ``peer_id`` before a new stream
+        may dial it; while a connection to it is up the note waits (the learner opens a stream
+        to every member per version, over the connection each member joined on)."""
+        if peer_id in self._noted and not self.is_connected(peer_id):
+            self.add_peer_addrs(peer_id, list(self._noted[peer_id]))
 
     def add_peer_addrs(self, peer_id: str, addrs: list[str]) -> None:
         """Where ``peer_id`` is to be dialled (a join, an announce, a signed record): replaces

@@ -265,7 +265,7 @@ def test_a_failed_dial_does_not_block_the_peer_once_its_addresses_are_known():
 
 def test_noted_addresses_reach_the_peerstore_at_the_first_dial_only():
     """An announcement's member list is noted, not parsed (``note_peer_addrs``): the peerstore
-    learns a peer's addresses when it is first dialled, and a newer note replaces an older one."""
+    learns a peer's addresses when a dial needs them, and a newer note replaces an older one."""
 
     async def main():
         async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
@@ -276,5 +276,12 @@ def test_noted_addresses_reach_the_peerstore_at_the_first_dial_only():
             assert await a.ping(b.peer_id, timeout=5.0) > 0
             stored = {str(x).split("/p2p/")[0] for x in store.addrs(ID.from_base58(b.peer_id))}
             assert stored == {x.split("/p2p/")[0] for x in b.addrs}
+            # connected: a new note waits (the stream rides the connection) until a dial needs it
+            a.note_peer_addrs(b.peer_id, ["/ip4/127.0.0.1/tcp/1"])
+            assert await a.ping(b.peer_id, timeout=5.0) > 0
+            assert {str(x).split("/p2p/")[0] for x in store.addrs(ID.from_base58(b.peer_id))} == stored
+            await a.disconnect(b.peer_id)
+            with pytest.raises(PeerUnavailable):  # now it dials the noted (dead) address
+                await a.ping(b.peer_id, timeout=5.0)
 
     trio.run(main)
