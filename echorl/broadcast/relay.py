@@ -55,7 +55,7 @@ from echorl.broadcast.push import Pusher, PushInbox
 from echorl.broadcast.recovery import fetch_payload
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, link_or_copy
 from echorl.broadcast.stripe_feed import StripeFeed
-from echorl.net.host import Host, PeerUnavailable, RemoteError, RequestContext
+from echorl.net.host import MAX_NOTED_PEERS, Host, PeerUnavailable, RemoteError, RequestContext
 from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import PULL, UploadLimiter, listen_ip
 from echorl.protocol import limits, snapshot, wire
@@ -69,6 +69,7 @@ from echorl.protocol.messages import (
     Manifest,
     Message,
     PlanAnnounce,
+    PlanMember,
 )
 from echorl.protocol.routes import ANNOUNCE, CATCHUP, DONE
 
@@ -183,14 +184,7 @@ class Relay:
         if msg.version not in self.server.states:
             if self.host.peer_id not in state.plan.peers:
                 raise ProtocolError(ErrorCode.NOT_FOUND, "not a member of this plan")
-            for m in msg.members:
-                if m.peer_id != self.host.peer_id:
-                    self.known_peers[m.peer_id] = tuple(m.addrs)
-                    if m.reachable:
-                        self._unreachable.discard(m.peer_id)
-                    else:
-                        self._unreachable.add(m.peer_id)
-                    self.host.note_peer_addrs(m.peer_id, m.addrs)
+            self._note_members(msg.members)
             if msg.learner_addrs:
                 self.host.add_peer_addrs(self.learner, list(msg.learner_addrs))
             self.server.add_state(state)
@@ -199,6 +193,24 @@ class Relay:
             except trio.WouldBlock:
                 raise ProtocolError(ErrorCode.UNAVAILABLE, "too many versions in flight") from None
         return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.version)
+
+    def _note_members(self, members: list[PlanMember]) -> None:
+        """Remember an announcement's members (catch-up sources, where to dial them), the newest
+        last: a peer absent from the last ``MAX_NOTED_PEERS`` announced is forgotten."""
+        for m in members:
+            if m.peer_id == self.host.peer_id:
+                continue
+            self.known_peers.pop(m.peer_id, None)
+            self.known_peers[m.peer_id] = tuple(m.addrs)
+            if m.reachable:
+                self._unreachable.discard(m.peer_id)
+            else:
+                self._unreachable.add(m.peer_id)
+            self.host.note_peer_addrs(m.peer_id, m.addrs)
+        while len(self.known_peers) > MAX_NOTED_PEERS:
+            gone = next(iter(self.known_peers))
+            del self.known_peers[gone]
+            self._unreachable.discard(gone)
 
     # --- receiving one version -------------------------------------------------------------------
     async def _receive_guarded(self, ann: PlanAnnounce) -> None:

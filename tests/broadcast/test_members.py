@@ -34,3 +34,30 @@ def test_a_list_too_long_for_one_address_each_loses_its_last_members():
     fitted = fit_addrs(members, three + 5)
     assert [m.peer_id for m in fitted] == [m.peer_id for m in members[:3]]
     assert all(m.addrs == ADDRS[:1] for m in fitted)
+
+
+def test_a_relay_remembers_the_newest_announced_members_only(monkeypatch):
+    """Catch-up sources and their addresses come from announcements; a long run's departed
+    members do not pile up: past ``MAX_NOTED_PEERS`` the least recently announced are forgotten."""
+    import trio
+
+    from echorl.broadcast import relay as relay_mod
+    from echorl.net.host import open_host
+
+    monkeypatch.setattr(relay_mod, "MAX_NOTED_PEERS", 3)
+    peers = [Identity.generate().peer_id for _ in range(5)]
+
+    async def main():
+        async with open_host(Identity.generate()) as host:
+            relay = relay_mod.Relay(host, IDS[0], "r")
+            relay._note_members(
+                [PlanMember(peer_id=p, reachable=i != 1, addrs=ADDRS[:1]) for i, p in enumerate(peers[:3])]
+            )
+            assert list(relay.known_peers) == peers[:3] and relay._unreachable == {peers[1]}
+            relay._note_members(
+                [PlanMember(peer_id=p, reachable=True, addrs=ADDRS[:1]) for p in (peers[0], *peers[3:])]
+            )
+            assert list(relay.known_peers) == [peers[0], peers[3], peers[4]]  # re-announced: newest
+            assert relay._unreachable == set()  # forgotten with its peer
+
+    trio.run(main)
