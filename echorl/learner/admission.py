@@ -371,12 +371,14 @@ class Admission:
         else:
             load.answered(groups, seconds)
             load.worked_at = now
+        self.pace.changed()
         return min(seconds, fair) if fair > 0 else seconds
 
     def on_expired(self, peer_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         pol = self.policy
         self.load(peer_id).expired(now, pol.expiry_backoff_s, pol.expiry_backoff_max_s)
+        self.pace.changed()
 
     # --- contributors ---------------------------------------------------------------------------
     def note_contributor(self, prompt_id: str, peer_id: str) -> None:

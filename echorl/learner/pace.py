@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Mapping
 
 from echorl.learner.peers import PeerBook, PeerLoad
@@ -62,6 +63,10 @@ STEP_WEIGHT = 0.3
 """Weight of the newest step period in the learner's moving step period (the horizon's unit)."""
 MAX_DEADLINE_BASES = 20.0
 """The longest deadline, in base timeouts (``lease_timeout_s``)."""
+REFERENCE_TTL_S = 1.0
+"""How long a computed reference rate is reused unless a result or an expiry landed since
+(``FleetPace.changed``): the median over 1,000 members costs ~1 ms and a lease asks for it up to
+three times; members coming and going move it by one member's vote, a second late."""
 
 
 def is_proven(load: PeerLoad | None) -> bool:
@@ -77,6 +82,7 @@ class FleetPace:
         self.step_s = 0.0  # moving step period of the learner (0: fewer than two versions seen)
         self._version = -1
         self._version_at = 0.0
+        self._reference: tuple[float, float] | None = None  # (rate, when computed), REFERENCE_TTL_S
 
     def note_version(self, version: int, now: float) -> None:
         """The trainer's version now: each advance updates the step period."""
@@ -93,8 +99,18 @@ class FleetPace:
             return math.inf
         return max(1, steps_left) * self.step_s
 
+    def changed(self) -> None:
+        """A peer's load changed (a result, an expiry): the next reference is computed afresh."""
+        self._reference = None
+
     def reference_rate(self) -> float:
         """Median over addresses of each address's best recent rate (0: no one measured)."""
+        now = time.monotonic()
+        if self._reference is None or now - self._reference[1] >= REFERENCE_TTL_S:
+            self._reference = (self._reference_now(), now)
+        return self._reference[0]
+
+    def _reference_now(self) -> float:
         best: dict[str, float] = {}
         proven_best: dict[str, float] = {}
         for p in self.book.active():

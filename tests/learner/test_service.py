@@ -130,6 +130,28 @@ def test_lease_deadline_follows_the_fleet_s_pace_never_the_peer_s_own_rate() -> 
     assert adm.deadline("slow", 4000, declared_tokens_per_s=0.0, **args) == 600.0  # 20 × base
 
 
+def test_the_fleet_s_reference_is_reused_until_a_result_or_an_expiry_lands(monkeypatch) -> None:
+    """A lease asks for the reference rate up to three times and at 1,000 members each is ~1 ms:
+    it is computed once per ``REFERENCE_TTL_S``, afresh as soon as a result or an expiry lands."""
+    from echorl.learner import pace as pace_mod
+
+    adm = _fleet()
+    for pid in ("fast", "fast2", "fast3"):
+        adm.on_result(pid, groups=10, issued_at=0.0, now=1.0)
+    assert adm.pace.reference_rate() == pytest.approx(10.0)
+    adm.load("fast").recent_s_per_group = 1.0  # behind the pace's back: not seen within the TTL
+    adm.load("fast2").recent_s_per_group = 1.0
+    assert adm.pace.reference_rate() == pytest.approx(10.0)
+    clock = time.monotonic() + pace_mod.REFERENCE_TTL_S
+    monkeypatch.setattr(pace_mod.time, "monotonic", lambda: clock)
+    assert adm.pace.reference_rate() == pytest.approx(1.0)  # a second on: computed again
+    adm.on_result("slow", groups=20, issued_at=0.0, now=1.0)  # lands: seen at once, same second
+    assert adm.pace.reference_rate() == pytest.approx(5.5)  # the median of 1, 1, 10, 20
+    adm.load("fast3").recent_s_per_group = 1.0
+    adm.on_expired("fast3", now=2.0)
+    assert adm.pace.reference_rate() == pytest.approx(1.0)
+
+
 def test_a_late_result_counts_like_an_expiry_and_resets_nothing() -> None:
     adm = _fleet(expiry_backoff_s=2.0, refuse_after_expiries=3)
     adm.on_result("fast", groups=10, issued_at=0.0, now=1.0)
