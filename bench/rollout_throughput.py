@@ -19,6 +19,12 @@ from that node per wall second, lease + generate + sign + submit + weight fetch 
 side was the bottleneck. ``overhead_frac`` = 1 − daemon / in-process. All processes use
 OMP_NUM_THREADS=1; ``loadavg`` is recorded because the 2 cores are shared with other work.
 Prints one JSON line with ``--json``.
+
+With ``--batching-rounds N`` (and ``--model DIR --task NAME``, e.g. SmolLM2 on ``arithmetic``) it
+measures instead what batching buys a node: a lease's ``--lease-prompts`` × ``--group-size``
+sequences sampled in one batched ``generate`` (left-padded, one KV cache, the prompt prefilled
+once per sequence row) against the same sequences one at a time, in the same run, alternated:
+``batched_tokens_per_s``, ``one_at_a_time_tokens_per_s`` (the baseline), ``batching_speedup``.
 """
 
 from __future__ import annotations
@@ -56,6 +62,37 @@ def inprocess(backend, task, seconds: float) -> tuple[int, float]:
         busy += time.perf_counter() - t
         groups += len(out)
     return groups, busy
+
+
+def batching(backend, task, lease_prompts: int, group_size: int, rounds: int) -> dict:
+    """Tokens/s of a lease's sampling as the node does it (``lease_prompts`` × ``group_size``
+    sequences in one batched ``generate``, one KV cache) against the same number of sequences
+    drawn one at a time (batch 1, each its own prefill), alternated round by round."""
+    from echorl.actor.types import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=int(task.max_new_tokens), stop=list(task.stop))
+    batched, alone = [0, 0.0], [0, 0.0]  # tokens, seconds
+    for _ in range(rounds):
+        prompts = [p.text for p in task.next_prompts(lease_prompts)]
+        t = time.perf_counter()
+        groups = backend.generate(prompts, group_size, params)
+        batched[1] += time.perf_counter() - t
+        batched[0] += sum(len(x.token_ids) for g in groups for x in g)
+        t = time.perf_counter()
+        singles = [backend.generate([p], 1, params)[0][0] for p in prompts for _ in range(group_size)]
+        alone[1] += time.perf_counter() - t
+        alone[0] += sum(len(x.token_ids) for x in singles)
+    per_s = batched[0] / batched[1], alone[0] / alone[1]
+    return {
+        "lease_prompts": lease_prompts,
+        "group_size": group_size,
+        "rounds": rounds,
+        "batched_tokens_per_s": round(per_s[0], 1),
+        "one_at_a_time_tokens_per_s": round(per_s[1], 1),
+        "batching_speedup": round(per_s[0] / per_s[1], 2),
+        "tokens_batched": batched[0],
+        "tokens_one_at_a_time": alone[0],
+    }
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -174,6 +211,17 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=16)
     ap.add_argument("--max-network-s", dest="max_network_s", type=float, default=110.0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default=None, help="a local model directory (default: the shipped tiny model)")
+    ap.add_argument("--task", default="addition", help="prompts from this task, in the model's chat template")
+    ap.add_argument(
+        "--batching-rounds",
+        dest="batching_rounds",
+        type=int,
+        default=0,
+        help="instead of the phases above: N rounds of a lease sampled batched vs one sequence at a time",
+    )
+    ap.add_argument("--lease-prompts", dest="lease_prompts", type=int, default=2)
+    ap.add_argument("--group-size", dest="group_size", type=int, default=8)
     args = ap.parse_args()
     t0 = time.monotonic()
     load_before = os.getloadavg()
@@ -183,11 +231,20 @@ def main() -> None:
     from echorl.actor.backend import TorchBackend
     from echorl.actor.model import default_model
     from echorl.tasks import load_task
+    from echorl.tasks.chat import with_chat_template
 
     torch.set_num_threads(1)
-    model_dir = str(default_model())
+    model_dir = str(args.model or default_model())
     backend = TorchBackend.from_pretrained(model_dir)
-    task = load_task("addition")
+    task = with_chat_template(load_task(args.task), backend.tokenizer)
+    if args.batching_rounds > 0:
+        batching(backend, task, 1, 1, 1)  # warm-up
+        out = {"bench": "rollout_throughput", "model": Path(model_dir).name, "task": args.task, "threads": 1}
+        out.update(batching(backend, task, args.lease_prompts, args.group_size, args.batching_rounds))
+        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+        out["total_s"] = round(time.monotonic() - t0, 1)
+        emit(out, args.json)
+        return
     inprocess(backend, task, 1.0)  # warm-up
     g1, s1 = inprocess(backend, task, args.seconds / 2)
     load_mid = os.getloadavg()
@@ -199,7 +256,7 @@ def main() -> None:
     out = {
         "bench": "rollout_throughput",
         "model": Path(model_dir).name,
-        "task": "addition",
+        "task": args.task,
         "group_size": 8,
         "prompts_per_generate": 8,
         "max_new_tokens": int(task.max_new_tokens),
