@@ -407,9 +407,9 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
     to take (both on worker threads in the code), and its size."""
     from pydantic import ValidationError
 
-    from echorl.broadcast.members import ANNOUNCE_HEADROOM, fit_addrs
+    from echorl.broadcast.members import announce_room, fit_addrs
     from echorl.broadcast.store import plan_of
-    from echorl.protocol import limits, snapshot, wire
+    from echorl.protocol import wire
     from echorl.protocol.identity import Identity
     from echorl.protocol.messages import ChunkRef, Manifest, PlanAnnounce, PlanMember
 
@@ -436,7 +436,7 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
         )
         for i, p in enumerate(plan_peers)
     ]
-    members = fit_addrs(members, limits.MAX_FRAME_BYTES - snapshot.manifest_wire_bytes(manifest) - ANNOUNCE_HEADROOM)
+    members = fit_addrs(members, announce_room(manifest))
     fields = dict(
         run_id="flowsim", learner_peer_id=ident.peer_id, version=1, manifest=manifest, shape="striped",
         fanout=fanout, seed=0, learner_addrs=["/ip4/10.0.0.1/tcp/4001"], members=members, created_at=0.0,

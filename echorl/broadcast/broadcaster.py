@@ -88,7 +88,7 @@ import trio
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import mapped, write_at
-from echorl.broadcast.members import ANNOUNCE_HEADROOM, NodeInfo, fit_addrs
+from echorl.broadcast.members import NodeInfo, announce_room, fit_addrs
 from echorl.broadcast.silence import SilentMembers
 from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
 from echorl.broadcast.uplinks import UplinkMeter
@@ -96,7 +96,7 @@ from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.ratelimit import RateLimit
 from echorl.net.transport import UploadLimiter, listen_ip
 from echorl.protocol import delta as delta_mod
-from echorl.protocol import limits, snapshot, wire
+from echorl.protocol import snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity, short_id
 from echorl.protocol.messages import (
@@ -422,8 +422,7 @@ class Broadcaster:
             )
             self.host.note_peer_addrs(n.peer_id, n.addrs)
         self._drop.clear()
-        room = limits.MAX_FRAME_BYTES - snapshot.manifest_wire_bytes(manifest) - ANNOUNCE_HEADROOM
-        members = fit_addrs(members, room)
+        members = fit_addrs(members, announce_room(manifest))
         ann, encoded = await self._signed_announce(version, manifest, members, shape, seed)
         state = await trio.to_thread.run_sync(VersionState, ann, self.host.peer_id, self.server.store)
         await state.fill(payload)  # the store's file: served from disk through the chunk cache

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from echorl.protocol import limits
-from echorl.protocol.messages import PlanMember
+from echorl.protocol import limits, snapshot
+from echorl.protocol.messages import Manifest, PlanMember
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,11 @@ class NodeInfo:
     reachable: bool = True
     addrs: tuple[str, ...] = ()
     leaf: bool = False  # forwards nothing in this plan (the learner's newcomers that never worked)
+
+
+def announce_room(manifest: Manifest) -> int:
+    """Frame bytes left for the member list of an announcement carrying ``manifest``."""
+    return limits.MAX_FRAME_BYTES - snapshot.manifest_wire_bytes(manifest) - ANNOUNCE_HEADROOM
 
 
 def member_bytes(peer_id: str, addrs: list[str]) -> int:

@@ -134,19 +134,16 @@ def test_a_plan_announce_fitted_by_the_learner_fits_the_frame_cap():
     members it allows, each with 16 of the longest addresses, the learner's fitting
     (``broadcast/members.py``) keeps it under the cap by trimming addresses, then members; 10,000
     members with two ordinary addresses each and a 1 GiB model keep everything."""
-    from echorl.broadcast.members import ANNOUNCE_HEADROOM, fit_addrs
+    from echorl.broadcast.members import announce_room, fit_addrs
     from echorl.protocol.messages import PlanMember
 
     learner = Identity.generate()
     ids = [Identity.generate().peer_id for _ in range(64)]
 
-    def room(manifest: Manifest) -> int:
-        return limits.MAX_FRAME_BYTES - snapshot.manifest_wire_bytes(manifest) - ANNOUNCE_HEADROOM
-
     huge = _manifest(learner, 10, 60 * GB, 1000)
     longest = ["/dns4/" + "a" * (limits.MAX_ADDR_BYTES - 16) + "/tcp/1"] * 16
     worst = [PlanMember(peer_id=ids[i % 64], reachable=True, addrs=longest) for i in range(limits.MAX_PLAN_MEMBERS)]
-    fitted = fit_addrs(worst, room(huge))
+    fitted = fit_addrs(worst, announce_room(huge))
     assert 0 < len(fitted) < len(worst) and all(len(m.addrs) == 1 for m in fitted)
     assert len(_announce(learner, huge, fitted)) <= limits.MAX_FRAME_BYTES
 
@@ -155,5 +152,5 @@ def test_a_plan_announce_fitted_by_the_learner_fits_the_frame_cap():
         PlanMember(peer_id=ids[i % 64], reachable=True, addrs=[f"/ip4/203.0.{i >> 8}.{i & 255}/tcp/40001"] * 2)
         for i in range(10_000)
     ]
-    assert fit_addrs(ordinary, room(gib)) == ordinary
+    assert fit_addrs(ordinary, announce_room(gib)) == ordinary
     assert len(_announce(learner, gib, ordinary)) <= limits.MAX_FRAME_BYTES
