@@ -49,8 +49,13 @@ distribution time"; it ignores NAT, so it is also a bound with NAT); ``ratio``; 
 ``topology_bound_seconds`` for uneven uplinks); ``plan_build_s`` and ``announce_s`` (CPU
 seconds: ``plan_broadcast``; building, signing and encoding the ``PlanAnnounce``);
 ``announce_bytes``; ``announce_receive_s`` (a node's CPU seconds to decode, verify and plan it);
-``announce_upload_s`` (the learner's uplink seconds for one copy per member: the model leaves it out
-of ``predicted_s``, where it would come first); and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
+``announce_sends`` and ``announce_upload_s`` (the copies the learner sends itself when the
+announcement goes down the plan, ``broadcast/announcing.py``, once every member took the last one
+under the same stripe-0 parent, and its uplink seconds for them), ``announce_upload_direct_s``
+(the baseline: one copy per member from the learner) and ``announce_spread_s`` (until the deepest
+member holds it: per hop a node's receive CPU and its flagged children's copies over its
+uplink); the model leaves the announcement out of ``predicted_s``, where it would come first;
+and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
 ``baseline_plan_bound_s``: the same peers planned without weights (``--no-baseline`` skips them);
 with ``--churn``, ``streams_adopted`` / ``streams_recovered`` and ``no_adoption_predicted_s``,
 ``no_adoption_ratio``: the same plan and departures with every cut stream pulling.
@@ -457,6 +462,27 @@ def announce_cost(plan_peers: list[PlanPeer], size: int, chunk: int, fanout: int
     return AnnounceCost(build_s, len(encoded), True, time.process_time() - t0)
 
 
+def announce_spread(
+    plan: BroadcastPlan, members: list[PlanPeer], up: dict[str, float], nbytes: int, receive_s: float
+) -> tuple[int, float]:
+    """The learner's own copies of the announcement and the seconds until the deepest member holds
+    it, sent down stripe 0 as ``broadcast/announcing.py`` sends it in a steady swarm."""
+    from echorl.broadcast.announcing import forward_flags
+
+    parent = plan.stripes[0].parent_of()
+    forwarded = forward_flags(plan, members, {m.peer_id for m in members}, parent)  # type: ignore[arg-type]
+    direct = [m.peer_id for m in members if m.peer_id not in forwarded]
+    arrival = {p: len(direct) * nbytes / up[plan.learner] + receive_s for p in direct}
+    queue = list(direct)
+    while queue:
+        node = queue.pop()
+        kids = [c for c in plan.stripes[0].children.get(node, ()) if c in forwarded]
+        for c in kids:
+            arrival[c] = arrival[node] + len(kids) * nbytes / up[node] + receive_s
+        queue.extend(kids)
+    return len(direct), max(arrival.values(), default=0.0)
+
+
 class Delivery(NamedTuple):
     seconds: float  # until every remaining peer holds the version
     no_churn_s: float  # the same plan with nobody leaving
@@ -566,14 +592,18 @@ def simulate(args: argparse.Namespace) -> dict:
         out["measured_ratios"] = [round(t / bound, 3) for t in seconds]
     if not args.no_announce:
         cost = announce_cost(plan_peers, size, chunk, args.fanout)
+        sends, spread = announce_spread(plan, plan_peers, up, cost.nbytes, cost.receive_s or 0.0)
         out.update(
             {
                 "announce_s": round(cost.build_s, 3),
                 "announce_bytes": cost.nbytes,
                 "announce_within_limits": cost.valid,
                 "announce_receive_s": None if cost.receive_s is None else round(cost.receive_s, 3),
-                # the learner sends each member its own copy: seconds of its uplink before any chunk
-                "announce_upload_s": round(len(plan_peers) * cost.nbytes / learner_up, 3),
+                "announce_sends": sends,
+                "announce_upload_s": round(sends * cost.nbytes / learner_up, 3),
+                # the baseline: the learner sends each member its own copy
+                "announce_upload_direct_s": round(len(plan_peers) * cost.nbytes / learner_up, 3),
+                "announce_spread_s": round(spread, 3),
             }
         )
     return out

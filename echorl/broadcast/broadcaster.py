@@ -19,8 +19,9 @@ Learner (one per run)::
 
 ``publish`` builds the payload (a delta against the previous published version, a full snapshot
 every ``full_every`` versions or when the tensor layout changes), signs a manifest and a plan
-announcement, announces it to every node (direct small requests, not gossip: gossipsub drops
-silently, architecture §9), serves its stripe roots, and returns when every node reported the version
+announcement, announces it to every node (requests, not gossip: gossipsub drops silently,
+architecture §9; the learner's to some, their stripe-0 parents' to the rest, ``announcing.py``),
+serves its stripe roots, and returns when every node reported the version
 verified or ``timeout`` passed. Nodes that did not answer the announce or never reported done
 are in ``report.missing``; parents that nodes reported (bad chunk, stall) are in
 ``report.suspects`` and become leaves (if they completed) or are dropped (if they did not) in
@@ -50,24 +51,11 @@ full snapshot + deltas, and older runs while a version within ``retain`` of the 
 The same chunks serve the plan streams, recovery, catch-up and a node's direct fetch (a catch-up
 from the learner alone); ``version_bytes`` rebuilds any held version for the spot checker.
 
-Protocols: ``protocol/routes.py`` (all libp2p; chunk streams are raw framed streams, the rest
-request/response)::
+Protocols: the ``/echorl/bcast/…`` rows of ``protocol/routes.py`` (all libp2p; chunk streams
+are raw framed streams, the rest request/response).
 
-    /echorl/bcast/announce/1  PlanAnnounce -> BroadcastAck            learner -> node
-    /echorl/bcast/stream/1    Subscribe, then Chunk frames            child dials parent
-    /echorl/bcast/chunk/1     ChunkRequest -> Chunk                   any holder (recovery, catch-up)
-    /echorl/bcast/catchup/1   CatchUpRequest -> CatchUp               any holder (late joiner, fallback)
-    /echorl/bcast/done/1      BroadcastDone -> BroadcastAck           node -> learner
-    /echorl/bcast/ticket/1    Subscribe -> StreamTicket               child -> parent (direct path)
-
-Direct path (optional, ``direct=True``, on by default; ``net/transport/direct_tcp.py``): the
-child asks its parent for a ticket over libp2p (authenticated), dials the parent's plain TCP
-chunk port on the IP of that libp2p connection, sends the ticket's 16-byte proof, and reads the
-same ``Chunk`` frames; chunks are verified against the signed manifest exactly as on libp2p. It
-skips Noise + yamux (~16 CPU-s/GB) for raw TCP (<1 CPU-s/GB). If the ticket or the dial fails,
-the child falls back to the libp2p chunk stream (``net/transport/paths.py`` picks the path).
-The direct port listens while ``run()`` runs (``Broadcaster.run`` on the learner, ``Relay.run``
-on a node).
+Direct path (``direct=True``, the default): chunks over a ticketed plain TCP port, verified as on
+libp2p (``chunk_server.py``, ``net/transport/direct_tcp.py``); it listens while ``run()`` runs.
 
 Serialisation, hashing, delta encoding/application run in worker threads.
 """
@@ -85,12 +73,13 @@ from typing import Any
 
 import trio
 
+from echorl.broadcast.announcing import AnnounceRound, forward_flags
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import mapped, write_at
 from echorl.broadcast.members import NodeInfo, announce_room, fit_addrs
 from echorl.broadcast.silence import SilentMembers
-from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore
+from echorl.broadcast.store import DEFAULT_CACHE_BYTES, VersionState, WeightStore, plan_for
 from echorl.broadcast.uplinks import UplinkMeter
 from echorl.net.host import Host, PeerUnavailable, RequestContext
 from echorl.net.ratelimit import RateLimit
@@ -98,9 +87,10 @@ from echorl.net.transport import UploadLimiter, listen_ip
 from echorl.protocol import delta as delta_mod
 from echorl.protocol import snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
-from echorl.protocol.identity import Identity, short_id
+from echorl.protocol.identity import Identity
 from echorl.protocol.messages import (
     AdapterSpec,
+    AnnounceHeard,
     BroadcastAck,
     BroadcastDone,
     Manifest,
@@ -109,7 +99,7 @@ from echorl.protocol.messages import (
     PlanMember,
 )
 from echorl.protocol.plan import BroadcastPlan, auto_chunk_bytes
-from echorl.protocol.routes import ANNOUNCE, DONE
+from echorl.protocol.routes import DONE, HEARD
 
 log = logging.getLogger("echorl.broadcast.broadcaster")
 
@@ -129,6 +119,8 @@ class BroadcastReport:
     suspects: list[str] = field(default_factory=list)
     recovered_chunks: int = 0
     node_seconds: dict[str, float] = field(default_factory=dict)
+    announce_sends: int = 0  # the learner's own announce requests (the rest were forwarded)
+    announce_heard: int = 0  # members that took the announcement from a plan parent
 
 
 class Broadcaster:
@@ -216,11 +208,16 @@ class Broadcaster:
         self._drop: set[str] = set()  # reported and did not complete: left out next time
         self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
         self.weigh = weigh  # plan with them (else only measured): `echorl learner --plan-weights`
+        self._rounds: dict[int, AnnounceRound] = {}  # announcements in flight (AnnounceHeard lands here)
+        # the last announcement: who took it and their stripe-0 parents (``forward_flags``)
+        self._took_last: set[str] = set()
+        self._last_parent: dict[str, str] = {}
 
     def install(self) -> None:
         self.server.install_serving()
         # reports are read only from members of a plan in flight (checked before the body is read)
-        self.host.serve({DONE: self._on_done}, admit={DONE: self.server.in_a_plan})
+        in_plan = self.server.in_a_plan
+        self.host.serve({DONE: self._on_done, HEARD: self._on_heard}, admit={DONE: in_plan, HEARD: in_plan})
 
     def metrics(self) -> dict[str, int]:
         """The learner's serving refusals: chunk and catch-up requests (``ChunkServer.counters``)
@@ -312,6 +309,15 @@ class Broadcaster:
             self._note_done_changed()
         return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
 
+    async def _on_heard(self, msg: Message, ctx: RequestContext) -> Message:
+        assert isinstance(msg, AnnounceHeard)
+        if msg.run_id != self.run_id:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "other run")
+        round_ = self._rounds.get(msg.version)
+        if round_ is not None:
+            round_.heard(ctx.peer_id)
+        return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.server.chain.version)
+
     def _note_done_changed(self) -> None:
         """Wake the publication waiting for reports (a report came, or an announce ended)."""
         self._done_changed.set()
@@ -350,28 +356,33 @@ class Broadcaster:
 
     async def _signed_announce(
         self, version: int, manifest: Manifest, members: list[PlanMember], shape: str | None, seed: int | None
-    ) -> tuple[PlanAnnounce, bytes]:
-        """The plan announcement, signed and encoded once for every member, in a worker thread
-        (validating, signing and encoding a large member list is not event-loop work)."""
+    ) -> tuple[PlanAnnounce, bytes, BroadcastPlan, set[str]]:
+        """The plan, the members left to their stripe-0 parent (``forward_flags``) and the
+        announcement carrying those flags, signed and encoded once for every member, in a worker
+        thread (planning, validating, signing and encoding 10,000 members is not event-loop work)."""
         learner_addrs = self.host.addrs[:16]
+        shape, seed = shape or self.shape, self.seed if seed is None else seed
 
-        def build() -> tuple[PlanAnnounce, bytes]:
+        def build() -> tuple[PlanAnnounce, bytes, BroadcastPlan, set[str]]:
+            plan = plan_for(self.identity.peer_id, members, shape, self.fanout, seed)
+            forwarded = forward_flags(plan, members, self._took_last, self._last_parent)
+            flagged = [m.model_copy(update={"forward": True}) if m.peer_id in forwarded else m for m in members]
             ann = wire.sign(
                 PlanAnnounce(
                     run_id=self.run_id,
                     learner_peer_id=self.identity.peer_id,
                     version=version,
                     manifest=manifest,
-                    shape=shape or self.shape,
+                    shape=shape,
                     fanout=self.fanout,
-                    seed=self.seed if seed is None else seed,
+                    seed=seed,
                     learner_addrs=learner_addrs,
-                    members=members,
+                    members=flagged,
                     created_at=time.time(),
                 ),
                 self.identity,
             )
-            return ann, wire.encode(ann)
+            return ann, wire.encode(ann), plan, forwarded
 
         return await trio.to_thread.run_sync(build)
 
@@ -423,8 +434,8 @@ class Broadcaster:
             self.host.note_peer_addrs(n.peer_id, n.addrs)
         self._drop.clear()
         members = fit_addrs(members, announce_room(manifest))
-        ann, encoded = await self._signed_announce(version, manifest, members, shape, seed)
-        state = await trio.to_thread.run_sync(VersionState, ann, self.host.peer_id, self.server.store)
+        ann, encoded, plan, forwarded = await self._signed_announce(version, manifest, members, shape, seed)
+        state = await trio.to_thread.run_sync(VersionState, ann, self.host.peer_id, self.server.store, plan)
         await state.fill(payload)  # the store's file: served from disk through the chunk cache
         del payload
         self.server.add_state(state)
@@ -437,25 +448,20 @@ class Broadcaster:
             self._done.pop(next(iter(self._done)))
 
         t0 = time.perf_counter()
-        announced: set[str] = set()
-        asked = {m.peer_id for m in members}  # announced to, no answer yet: waited for like the rest
-
-        async def announce(m: PlanMember) -> None:
-            try:
-                await self.host.request(
-                    m.peer_id,
-                    ANNOUNCE,
-                    encoded,
-                    expect=BroadcastAck,
-                    timeout=self.announce_deadline(manifest, len(members)),
-                )
-                announced.add(m.peer_id)
-            except (PeerUnavailable, ProtocolError) as exc:
-                log.info("announce v%d to %s failed: %s", version, short_id(m.peer_id), exc)
-            finally:
-                asked.discard(m.peer_id)
-                self._note_done_changed()
-
+        stripe0 = plan.stripes[0]
+        copies = max((len(c) for p, c in stripe0.children.items() if p != plan.learner), default=1)
+        round_ = AnnounceRound(
+            self.host,
+            encoded,
+            members,
+            forwarded,
+            stripe0.depth_of(plan.learner),
+            timeout_s=self.announce_deadline(manifest, len(members)),
+            hop_s=self.deadlines.for_forward(len(encoded), copies),
+            on_change=self._note_done_changed,
+        )
+        self._rounds = {version: round_}  # one publication at a time: a cancelled one's round goes here
+        announced, asked = round_.took, round_.asked  # settled by the round (and AnnounceHeard)
         done = self._done[version]
         gone: set[str] = set()  # announced, then found dead (no ping answer): not waited for
         failures: dict[str, int] = {}
@@ -463,8 +469,7 @@ class Broadcaster:
         # members that take the announce and never answer it (13 slow-walkers whose hosts were
         # closing) cost the straggler wait, not the announce deadline (issue 24)
         async with trio.open_nursery() as announcing:
-            for m in members:
-                announcing.start_soon(announce, m)
+            announcing.start_soon(round_.run)
             with trio.move_on_after(self.done_deadline(manifest, state.plan, timeout)) as whole:
                 while not ((announced | asked) - gone).issubset(done):
                     wait = max(self.straggler_floor_s, self.straggler_factor * (time.perf_counter() - t0))
@@ -476,6 +481,8 @@ class Broadcaster:
                     await self._probe(announced - gone - set(done), gone, failures)
             announcing.cancel_scope.cancel()  # an announce still unanswered is a miss
         seconds = time.perf_counter() - t0
+        self._rounds = {}
+        self._took_last, self._last_parent = set(announced), stripe0.parent_of()
         self._n_pub += 1
         # one that never answers the announce costs each publication its announce deadline (issue 24)
         self.silence.note(version, {m.peer_id for m in members} - gone - set(done), set(done), self._n_pub)
@@ -508,4 +515,6 @@ class Broadcaster:
             suspects=suspects,
             recovered_chunks=sum(d.recovered_chunks for d in done.values()),
             node_seconds={p: d.seconds for p, d in done.items()},
+            announce_sends=round_.sent,
+            announce_heard=round_.heard_count,
         )

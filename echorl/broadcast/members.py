@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 ANNOUNCE_HEADROOM = 64 * limits.KiB
 """Frame bytes kept for the announcement's own fields around the manifest and the members (run,
 learner and its 16 addresses, signature, msgpack headers: ~9 KiB at most)."""
-MEMBER_OVERHEAD = 64
-"""Encoded bytes of a member besides its peer ID and addresses, rounded up: five field names,
-their values' headers, the reachable/pushes flags and a weight."""
+MEMBER_OVERHEAD = 72
+"""Encoded bytes of a member besides its peer ID and addresses, rounded up: six field names (46
+bytes), their values' headers, the reachable/pushes/forward flags and a weight."""
 ADDR_OVERHEAD = 3  # a string header of up to 65,535 bytes
 
 

@@ -62,6 +62,7 @@ from echorl.protocol import limits, snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import short_id
 from echorl.protocol.messages import (
+    AnnounceHeard,
     BroadcastAck,
     BroadcastDone,
     CatchUp,
@@ -71,7 +72,7 @@ from echorl.protocol.messages import (
     PlanAnnounce,
     PlanMember,
 )
-from echorl.protocol.routes import ANNOUNCE, CATCHUP, DONE
+from echorl.protocol.routes import ANNOUNCE, CATCHUP, DONE, HEARD
 
 log = logging.getLogger("echorl.broadcast.relay")
 
@@ -82,6 +83,7 @@ TICKET_WAIT_S = 10.0  # a plan parent answers a direct-path ticket request withi
 #: never slows an honest catch-up, but one host (or a crowd of identities behind one address)
 #: cannot take a node's whole uplink; the node's ``UploadLimiter`` caps all of it together
 NODE_FETCH_LIMIT = RateLimit(16 * 2**20, 64 * 2**20)
+REPORT_TIMEOUT_S = 10.0  # a small report to the learner (BroadcastDone, AnnounceHeard)
 
 
 class Relay:
@@ -153,9 +155,10 @@ class Relay:
         return peer_id == self.learner or self.server.in_a_plan(peer_id)
 
     def may_announce(self, peer_id: str) -> bool:
-        """Whose announcements (up to 16 MiB) are read at all: the pinned learner and this
-        node's plan parents; the handler takes the learner's own only."""
-        return peer_id == self.learner or any(peer_id in s.parents.values() for s in self.server.states.values())
+        """Whose announcements (up to 16 MiB) are read at all: the pinned learner and the members
+        of a plan this node holds (a stripe-0 parent forwards the learner's announcement,
+        ``broadcast/announcing.py``); the handler takes only what the learner signed."""
+        return peer_id == self.learner or self.server.in_a_plan(peer_id)
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -167,19 +170,24 @@ class Relay:
 
     async def _on_announce(self, msg: Message, ctx: RequestContext) -> Message:
         assert isinstance(msg, PlanAnnounce)
-        if ctx.peer_id != self.learner:
-            raise ProtocolError(ErrorCode.WRONG_SIGNER, "announcements come from the learner")
         if msg.run_id != self.run_id:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"run {msg.run_id!r} is not served here")
+        forwarded = ctx.peer_id != self.learner
+        if forwarded and (msg.version in self.server.states or msg.version <= self.version):
+            return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.version)  # had it
+        me = self.host.peer_id
 
-        def check() -> VersionState:  # the plan of 10,000 members is ~0.3 s of CPU: not on the loop
-            wire.verify(msg, expected_signer=self.learner)
+        def check() -> tuple[VersionState, list[str], bytes]:  # 10,000 members: ~0.3 s of CPU, off the loop
+            wire.verify(msg, expected_signer=self.learner)  # whoever passed it on, the learner signed it
             snapshot.verify_manifest(msg.manifest, self.learner, self.run_id, self.incarnation)
             if msg.manifest.version != msg.version:
                 raise ProtocolError(ErrorCode.BAD_MANIFEST, "announce and manifest differ in version")
-            return VersionState(msg, self.host.peer_id, self.server.store)
+            state = VersionState(msg, me, self.server.store)
+            flagged = {m.peer_id for m in msg.members if m.forward}
+            kids = [c for c in state.plan.children(me, 0) if c in flagged] if state.plan.stripes else []
+            return state, kids, wire.encode(msg) if kids else b""
 
-        state = await trio.to_thread.run_sync(check)
+        state, kids, encoded = await trio.to_thread.run_sync(check)
         # also versions we already hold (e.g. caught up): our plan children still need the chunks
         if msg.version not in self.server.states:
             if self.host.peer_id not in state.plan.peers:
@@ -192,7 +200,34 @@ class Relay:
                 self._jobs_send.send_nowait(msg)
             except trio.WouldBlock:
                 raise ProtocolError(ErrorCode.UNAVAILABLE, "too many versions in flight") from None
+            if self._push_nursery is not None:
+                if kids:
+                    self._push_nursery.start_soon(self._forward, msg.version, kids, encoded)
+                if forwarded:
+                    self._push_nursery.start_soon(self._say_heard, msg.version)
         return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.version)
+
+    async def _forward(self, version: int, children: list[str], encoded: bytes) -> None:
+        """Pass the learner's signed announcement on to the stripe-0 children it flagged."""
+        timeout = self.deadlines.for_bytes(len(encoded))
+
+        async def one(child: str) -> None:
+            try:
+                await self.host.request(child, ANNOUNCE, encoded, expect=BroadcastAck, timeout=timeout)
+            except (PeerUnavailable, ProtocolError) as exc:  # the learner sends it at its deadline
+                log.info("forwarding the v%d announcement to %s failed: %s", version, short_id(child), exc)
+
+        async with trio.open_nursery() as nursery:
+            for child in children:
+                nursery.start_soon(one, child)
+
+    async def _say_heard(self, version: int) -> None:
+        """Tell the learner a parent forwarded us ``version``'s announcement (else it sends one)."""
+        heard = AnnounceHeard(run_id=self.run_id, version=version)
+        try:
+            await self.host.request(self.learner, HEARD, heard, expect=BroadcastAck, timeout=REPORT_TIMEOUT_S)
+        except (PeerUnavailable, ProtocolError) as exc:
+            log.info("telling the learner v%d was forwarded failed: %s", version, exc)
 
     def _note_members(self, members: list[PlanMember]) -> None:
         """Remember an announcement's members (catch-up sources, where to dial them), the newest
@@ -260,7 +295,7 @@ class Relay:
         )
         for _ in range(3):
             try:
-                await self.host.request(self.learner, DONE, done, expect=BroadcastAck, timeout=10.0)
+                await self.host.request(self.learner, DONE, done, expect=BroadcastAck, timeout=REPORT_TIMEOUT_S)
                 break
             except (PeerUnavailable, RemoteError) as exc:
                 log.info("done report for v%d failed: %s", ann.version, exc)

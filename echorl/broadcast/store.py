@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from echorl.broadcast.files import ChunkCache, create_file, read_at, write_at
 from echorl.protocol import delta as delta_mod
 from echorl.protocol import snapshot, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
-from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce, StreamRate
+from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce, PlanMember, StreamRate
 from echorl.protocol.plan import BroadcastPlan, PlanPeer, Stripe, plan_broadcast
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
@@ -44,12 +44,16 @@ _uid = itertools.count()
 
 def plan_of(ann: PlanAnnounce) -> BroadcastPlan:
     """The relay plan every node derives from a (verified) announcement."""
-    learner = ann.learner_peer_id
-    if ann.shape == "star":
-        peers = tuple(sorted(m.peer_id for m in ann.members))
+    return plan_for(ann.learner_peer_id, ann.members, ann.shape, ann.fanout, ann.seed)
+
+
+def plan_for(learner: str, members: Sequence[PlanMember], shape: str, fanout: int, seed: int) -> BroadcastPlan:
+    """The plan of an announcement with these fields (the learner plans before it signs)."""
+    if shape == "star":
+        peers = tuple(sorted(m.peer_id for m in members))
         return BroadcastPlan(learner, max(len(peers), 1), (Stripe(0, {learner: peers}),), peers)
-    peers = [PlanPeer(m.peer_id, m.reachable, bool(m.pushes), m.weight) for m in ann.members]
-    return plan_broadcast(learner, peers, ann.fanout, ann.seed, striped=ann.shape == "striped")
+    plan_peers = [PlanPeer(m.peer_id, m.reachable, bool(m.pushes), m.weight) for m in members]
+    return plan_broadcast(learner, plan_peers, fanout, seed, striped=shape == "striped")
 
 
 def chunk_body(d: bytes, data: bytes) -> bytes:
@@ -164,13 +168,14 @@ class WeightStore:
 
 class VersionState:
     """One version in flight at one peer: chunks as they are verified, waiters woken per chunk.
-    The payload is the file ``path``; ``have[i]`` says chunk i is in it (verified)."""
+    The payload is the file ``path``; ``have[i]`` says chunk i is in it (verified). ``plan``: the
+    announcement's plan where the caller computed it already (the learner plans before it signs)."""
 
-    def __init__(self, ann: PlanAnnounce, me: str, store: WeightStore) -> None:
+    def __init__(self, ann: PlanAnnounce, me: str, store: WeightStore, plan: BroadcastPlan | None = None) -> None:
         self.announce = ann
         self.manifest = ann.manifest
         self.version = ann.version
-        self.plan = plan_of(ann)
+        self.plan = plan_of(ann) if plan is None else plan
         self.me = me
         self.store = store
         self.path = store.new_path(ann.version)

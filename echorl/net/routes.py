@@ -19,6 +19,7 @@ RATES: dict[str, RateLimit] = {
     ids.CHUNK: RateLimit(2000.0, 4000.0),
     ids.CATCHUP: RateLimit(10.0, 30.0),
     ids.DONE: RateLimit(50.0, 200.0),
+    ids.HEARD: RateLimit(50.0, 200.0),
     ids.TICKET: RateLimit(50.0, 200.0),
     ids.PUSH: RateLimit(50.0, 200.0),
 }

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from . import limits
 from .messages import (
+    AnnounceHeard,
     BroadcastDone,
     CatchUpRequest,
     ChunkRequest,
@@ -43,11 +44,12 @@ RETURN = "/echorl/return/1"  # LeaseReturn -> LeaseReturn (the lease ids re-queu
 STATUS = "/echorl/status/1"  # StatusRequest -> Status
 DIALBACK = "/echorl/dialback/1"  # DialBackRequest -> DialBackResult (echorl doctor's reachability check)
 # weight plane (the learner and every relay serve the chunk routes from one store per version)
-ANNOUNCE = "/echorl/bcast/announce/1"  # PlanAnnounce -> BroadcastAck, learner -> node
+ANNOUNCE = "/echorl/bcast/announce/1"  # PlanAnnounce -> BroadcastAck, learner (or stripe-0 parent) -> node
 STREAM = "/echorl/bcast/stream/1"  # raw: Subscribe, then Chunk frames; child dials parent
 CHUNK = "/echorl/bcast/chunk/1"  # ChunkRequest -> Chunk, any holder (recovery, catch-up, fallback)
 CATCHUP = "/echorl/bcast/catchup/1"  # CatchUpRequest -> CatchUp, any holder
 DONE = "/echorl/bcast/done/1"  # BroadcastDone -> BroadcastAck, node -> learner
+HEARD = "/echorl/bcast/heard/1"  # AnnounceHeard -> BroadcastAck, node -> learner (took it from a parent)
 TICKET = "/echorl/bcast/ticket/1"  # Subscribe -> StreamTicket (direct TCP chunk path)
 # a pushed edge (parent behind NAT, reachable child): the parent dials the child
 PUSH = "/echorl/bcast/push/1"  # Subscribe -> StreamTicket, parent -> child: push over direct TCP
@@ -67,6 +69,7 @@ ROUTES: dict[str, Route] = {
         Route(CHUNK, ChunkRequest, 1 * limits.KiB),
         Route(CATCHUP, CatchUpRequest, 1 * limits.KiB),
         Route(DONE, BroadcastDone, 16 * limits.KiB),
+        Route(HEARD, AnnounceHeard, 1 * limits.KiB),
         Route(TICKET, Subscribe, 1 * limits.KiB),
         Route(PUSH, Subscribe, 1 * limits.KiB),
         Route(PUSH_STREAM, Subscribe, 1 * limits.KiB),

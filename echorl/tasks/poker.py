@@ -11,7 +11,11 @@ Text the default character-level model can read and answer: the prompt is
 ``<card><seat>:<history>=`` (``K1:=``: holding the king, first to act; ``Q2:1=``: holding the
 queen, second, the opponent bet); the model answers one character, ``0`` or ``1``; when the
 hand goes on the observation is the opponent's reply followed by ``=`` (``1=``). Anything else
-than ``0``/``1`` (EOS included) forfeits the hand: the agent loses what it has put in.
+than ``0``/``1`` (EOS included) forfeits the hand: the agent loses what it has put in, and in
+training ``forfeit_penalty`` chips more (default 0). A forfeit with the jack otherwise loses exactly
+what folding or checking it down loses, so nothing in the reward keeps self-play from drifting
+onto answers outside ``0``/``1``; the penalty makes the legal pass strictly better. Exact
+evaluations (``exact_eval``, ``exploitability``) count chips only, without it.
 
 The reward is the agent's chips won in the hand (−2 … +2); ``eval_reward`` is therefore mean
 chips per hand over the held-out deals. The seat alternates with the seed (``seat=1``/``2``
@@ -77,6 +81,9 @@ OPPONENTS: dict[str, Policy] = {
 
 
 TABLE_PREFIX = "table:"
+#: A forfeit's extra training cost is at most the largest stake: enough to make passing strictly
+#: better, never so much that a forfeit outweighs every hand the agent can play.
+MAX_FORFEIT_PENALTY = 2.0
 
 
 def table_policy(text: str) -> Policy:
@@ -204,7 +211,7 @@ class KuhnPoker(Environment):
     legal_actions = ["0", "1"]  # (anything else forfeits)
     n_eval = 1200
 
-    def __init__(self, opponent: str = "fixed", seat: int = 0) -> None:
+    def __init__(self, opponent: str = "fixed", seat: int = 0, forfeit_penalty: float = 0.0) -> None:
         if isinstance(opponent, str) and opponent.startswith(TABLE_PREFIX):
             self.opponent = table_policy(opponent)
         elif opponent in OPPONENTS:
@@ -214,6 +221,12 @@ class KuhnPoker(Environment):
         if seat not in (0, 1, 2):
             raise TaskError(f"poker: seat must be 0 (alternate), 1 or 2, got {seat!r}")
         self.seat = int(seat)
+        penalty = float(forfeit_penalty)
+        if not 0.0 <= penalty <= MAX_FORFEIT_PENALTY:
+            raise TaskError(
+                f"poker: forfeit_penalty must be in [0, {MAX_FORFEIT_PENALTY}] chips, not {forfeit_penalty!r}"
+            )
+        self.forfeit_penalty = penalty
         self.rng = random.Random(0)
         self.cards = (0, 1)
         self.agent = 1
@@ -243,7 +256,7 @@ class KuhnPoker(Environment):
 
     def step(self, action: str) -> EnvStep:
         if action not in ("0", "1"):
-            return EnvStep(done=True, reward=-float(put_in(self.history, self.agent)))
+            return EnvStep(done=True, reward=-float(put_in(self.history, self.agent)) - self.forfeit_penalty)
         self.history += action
         if self.history not in TERMINAL:
             self._opponent_acts()

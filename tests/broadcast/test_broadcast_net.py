@@ -17,7 +17,7 @@ import trio
 from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
-from echorl.broadcast.store import plan_of
+from echorl.broadcast.store import plan_for, plan_of
 from echorl.net.host import HostConfig, RemoteError, open_host
 from echorl.net.transport import UploadLimiter
 from echorl.protocol import wire
@@ -32,6 +32,7 @@ RUN = "t-bcast"
 
 RELAY = ["-m", "echorl.broadcast.relay_process"]
 TAMPERING_RELAY = [os.path.join(os.path.dirname(__file__), "tampering_relay.py")]  # the test double
+SILENT_RELAY = [os.path.join(os.path.dirname(__file__), "silent_relay.py")]  # forwards no announcement
 
 
 class Peer:
@@ -118,6 +119,16 @@ def interior_version(bc: Broadcaster, nodes: list[NodeInfo], who: str, start: in
     raise AssertionError("no plan makes the peer interior")
 
 
+def stripe0_plan(bc: Broadcaster, nodes: list[NodeInfo], who: str, interior: bool):
+    """A seed (and its plan) that gives ``who`` stripe-0 children (``interior``) or none."""
+    ms = [PlanMember(peer_id=n.peer_id, reachable=True, addrs=[]) for n in nodes]
+    for seed in range(1, 200):
+        plan = plan_for(bc.identity.peer_id, ms, bc.shape, bc.fanout, seed)
+        if bool(plan.children(who, 0)) == interior and not plan.children(bc.identity.peer_id, 0).count(who):
+            return seed, plan
+    raise AssertionError("no such plan")
+
+
 def _dummy_manifest(identity: Identity, v: int):
     from echorl.protocol import snapshot
 
@@ -199,6 +210,40 @@ def test_relay_killed_mid_broadcast_others_complete_and_next_plan_drops_it():
         assert report2.nodes == 5 and len(report2.completed) == 5 and report2.missing == []
 
     run_learner(body, fanout=2, chunk_bytes=128 * 1024, upload_limit=UploadLimiter.from_mbps(16))
+
+
+def test_the_announcement_goes_down_the_plan_and_a_silent_forwarder_costs_only_its_subtree_a_deadline():
+    async def body(host, bc, peers):
+        silent = Peer(host.addrs[0], program=SILENT_RELAY)
+        peers.append(silent)
+        peers.extend(await start_peers(host.addrs[0], 6))
+        await silent.wait_ready()
+        nodes, everyone = [p.info() for p in peers], sorted(p.peer_id for p in peers)
+        rng = np.random.default_rng(2)
+        versions = [safetensors_f32(rng.standard_normal(50_000).astype(np.float32)) for _ in range(3)]
+        first = await bc.publish(1, versions[0], nodes, timeout=60, seed=1)
+        assert first.announce_sends == 7 and first.announce_heard == 0 and first.completed == everyone
+        # the silent relay a leaf of stripe 0: the learner sends to its own stripe-0 children only
+        seed, plan = stripe0_plan(bc, nodes, silent.peer_id, interior=False)
+        heads = plan.children(bc.identity.peer_id, 0)
+        second = await bc.publish(2, versions[1], nodes, timeout=60, seed=seed)
+        assert second.completed == everyone
+        assert (second.announce_sends, second.announce_heard) == (len(heads), 7 - len(heads)), second
+        # interior: the members below it get the learner's copy at their depth's deadline, the rest
+        # still take it from their parents, and every member has the version
+        seed, plan = stripe0_plan(bc, nodes, silent.peer_id, interior=True)
+        heads, below = plan.children(bc.identity.peer_id, 0), plan.children(silent.peer_id, 0)
+        subtree = {p for p, d in plan.stripes[0].depth_of(bc.identity.peer_id).items() if p in below} | {
+            c for b in below for c in plan.children(b, 0)
+        }
+        third = await bc.publish(3, versions[2], nodes, timeout=60, seed=seed)
+        assert third.completed == everyone, third
+        assert len(heads) + len(below) <= third.announce_sends <= len(heads) + len(subtree), third
+        assert third.announce_heard == 7 - third.announce_sends
+        await wait_version(peers, 3)
+        assert {p.versions()[3] for p in peers} == {hashlib.sha256(versions[2]).hexdigest()}
+
+    run_learner(body, fanout=2, chunk_bytes=64 * 1024)
 
 
 def test_bad_signatures_are_refused():

@@ -110,6 +110,19 @@ def test_an_ancestor_that_has_adopted_fanout_peers_sends_the_next_orphan_further
     assert (recovered, adopted) == (1, 1)
 
 
+def test_the_announcement_down_the_plan_costs_the_learner_its_heads_copies_and_each_hop_its_forwarding():
+    peers = [PlanPeer(f"p{i}") for i in range(40)]
+    plan = plan_broadcast(flowsim.LEARNER, peers, 2, 0)
+    up = {p.peer_id: 1000.0 for p in peers} | {flowsim.LEARNER: 4000.0}
+    sends, spread = flowsim.announce_spread(plan, peers, up, 100, 0.5)
+    heads = plan.children(flowsim.LEARNER, 0)
+    assert sends == len(heads)
+    depth0 = max(plan.stripes[0].depth_of(flowsim.LEARNER).values())
+    # every hop: the receive CPU, then the forwarder's copies to its children over its uplink
+    per_hop = [0.5 + len(plan.children(p, 0)) * 100 / 1000.0 for p in plan.peers]
+    assert depth0 * 0.5 + sends * 100 / 4000.0 < spread <= depth0 * max(per_hop) + sends * 100 / 4000.0
+
+
 def test_fair_share_gives_a_capped_flow_s_leftover_to_the_others():
     assert flowsim._water_fill(10.0, [1.0, INF, INF]) == pytest.approx([1.0, 4.5, 4.5])
 

@@ -130,6 +130,7 @@ def example_messages(node: Identity, learner: Identity) -> list[m.Message]:
             detail="parent stalled",
         ),
         m.BroadcastAck(run_id="run-1", version=5, have_version=5),
+        m.AnnounceHeard(run_id="run-1", version=5),
         m.CatchUpRequest(run_id="run-1", have_version=-1),
         m.CatchUp(run_id="run-1", manifests=[manifest]),
         m.StreamTicket(ticket=b"t" * 16, port=4002),

@@ -8,11 +8,13 @@ import sys
 import types
 
 import pytest
+from kuhn import TablePolicy
 
 from echorl.tasks import Environment, EnvStep, EnvTask, TaskError, is_episodic, load_task
 from echorl.tasks.env import EpisodeRun, episode_seed
 from echorl.tasks.guess import GuessNumber, random_success
 from echorl.tasks.poker import (
+    TABLE_KEYS,
     KuhnPoker,
     best_response_value,
     exact_value,
@@ -83,6 +85,22 @@ def test_poker_text_format_and_forfeit():
     assert obs[1:3] == "2:" and obs[3] in "01" and obs.endswith("=")
     with pytest.raises(TaskError):
         KuhnPoker(opponent="shark")
+
+
+def test_poker_forfeit_penalty_costs_in_training_only():
+    """A forfeit with the jack loses what folding it loses; the penalty makes it strictly worse in
+    the training reward, while exact evaluation still counts chips."""
+    plain, charged = KuhnPoker(seat=1), KuhnPoker(seat=1, forfeit_penalty=0.25)
+    plain.reset(3), charged.reset(3)
+    assert plain.step("x").reward == -1.0 and charged.step("x").reward == -1.25
+    assert charged.reset(3) == plain.reset(3) and charged.step("0") == plain.step("0")  # legal play unchanged
+    never_answers = TablePolicy({k: 0.0 for k in TABLE_KEYS}, forfeit=1.0)
+    assert charged.exact_eval(never_answers) == plain.exact_eval(never_answers) == pytest.approx(-1.0)
+    task = load_task("poker", forfeit_penalty="0.5")  # as --task-option forfeit_penalty=0.5 passes it
+    assert task.make_env().forfeit_penalty == 0.5
+    for bad in (-0.1, 2.5, float("nan")):
+        with pytest.raises(TaskError, match="forfeit_penalty"):
+            KuhnPoker(forfeit_penalty=bad)
 
 
 def test_poker_all_observations_fit_the_char_alphabet():
