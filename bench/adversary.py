@@ -58,6 +58,7 @@ from _loopback import bind_dials, listen_on, loopback  # noqa: E402 - bench/ is 
 from _report import emit  # noqa: E402
 from hostile import (  # noqa: E402
     RUN,
+    SilentRelay,
     ThirdParty,
     aimed_addrs,
     empty_completion_body,
@@ -73,7 +74,6 @@ from hostile import (  # noqa: E402
 )
 from swarm import Swarm, signed_submit  # noqa: E402
 
-from echorl.broadcast.broadcaster import DONE  # noqa: E402
 from echorl.net.host import HostConfig, RemoteError, open_host  # noqa: E402
 from echorl.protocol import routes, wire  # noqa: E402
 from echorl.protocol.identity import Identity, load_identity, short_id  # noqa: E402
@@ -86,6 +86,7 @@ from echorl.protocol.messages import (  # noqa: E402
     Status,
     StatusRequest,
 )
+from echorl.protocol.routes import DONE  # noqa: E402
 
 CONFIG = {"eval_every": 100000, "steps": 0, "checkpoint_dir": "none"}  # the learner's defaults otherwise
 # the adversary tests' small run: its in-flight cap is B·(S − 1) = 4 prompts, so one lease of 2
@@ -319,6 +320,18 @@ async def half_open_tcp(t: Target, seen: Counter, connections: int = 300) -> Non
             s.socket.close()
 
 
+async def work_once(host: Any, me: Identity, t: Target, seen: Counter) -> None:
+    """One accepted submission: a worker, so plans make it a relay parent, not a leaf."""
+    for _ in range(20):
+        lease, v = await newest_lease(host, t.learner, tries=100)
+        try:
+            await host.request(t.learner, routes.SUBMIT, signed_submit(me, lease, v, token_ids=(4,), logprobs=(-80.0,)))
+            seen["worked"] += 1
+            return
+        except RemoteError as exc:
+            seen[exc.code.value] += 1
+
+
 @attack("ssrf_ticket")
 async def ssrf_ticket(t: Target, seen: Counter) -> None:
     """Joins with a third party's address (127.0.0.2) first in its own, works once (so plans
@@ -334,18 +347,27 @@ async def ssrf_ticket(t: Target, seen: Counter) -> None:
         plan_member(host, nursery, t.learner, report=True)
         ticket_to(host, target)
         seen["bytes_to_other_addresses"] = 0
-        for _ in range(20):  # one accepted submission makes it a worker
-            lease, v = await newest_lease(host, t.learner, tries=100)
-            try:
-                await host.request(
-                    t.learner, routes.SUBMIT, signed_submit(me, lease, v, token_ids=(4,), logprobs=(-80.0,))
-                )
-                seen["worked"] += 1
-                break
-            except RemoteError as exc:
-                seen[exc.code.value] += 1
+        await work_once(host, me, t, seen)
         while True:
             seen["bytes_to_other_addresses"] = target.bytes
+            await trio.sleep(0.5)
+
+
+@attack("silent_forwarder")
+async def silent_forwarder(t: Target, seen: Counter) -> None:
+    """A worker that relays chunks and reports like an honest node but passes no announcement on
+    to its stripe-0 children (issue 27): they get the learner's copy at their deadline, and then
+    the learner stops relying on it for 16 publications."""
+    me = Identity.generate()
+    async with open_host(me) as host, trio.open_nursery() as nursery:
+        relay = SilentRelay(host, t.learner, RUN)
+        relay.install()
+        nursery.start_soon(relay.run)
+        await host.connect(t.addr)
+        await join(host, t.learner, me)
+        await work_once(host, me, t, seen)
+        while True:
+            seen["versions_taken"] = max(0, relay.version)
             await trio.sleep(0.5)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from echorl.broadcast.broadcaster import ANNOUNCE, DONE
+from echorl.broadcast.relay import Relay
 from echorl.net.framing import read_frame
 from echorl.protocol import limits, routes, wire
 from echorl.protocol.identity import Identity
@@ -34,6 +34,7 @@ from echorl.protocol.messages import (
     Submit,
     Subscribe,
 )
+from echorl.protocol.routes import ANNOUNCE, DONE
 
 RUN = "echorl-demo"
 THIRD_PARTY = "127.0.0.2"  # an address that is no peer's: where an SSRF attempt aims
@@ -220,3 +221,11 @@ def ticket_to(host: Any, target: ThirdParty) -> None:
 
     host.route(routes.TICKET, on_ticket, request=Subscribe)
     host.route(routes.PUSH, on_ticket, request=Subscribe)
+
+
+class SilentRelay(Relay):
+    """A relay that takes every announcement, relays chunks and reports as an honest node does,
+    but passes no announcement on to its stripe-0 children (``broadcast/announcing.py``)."""
+
+    async def _forward(self, version: int, children: list[str], encoded: bytes) -> None:
+        return None

@@ -14,7 +14,8 @@ member its own copy uploads N² bytes a version: 12.5 GB at 10,000 members, ~1,0
   child that took it from a parent tells the learner (``AnnounceHeard``).
 - ``AnnounceRound`` sends the learner's own copy to every flagged member not heard from by its
   depth in stripe 0 times ``hop_s``: a parent that forwards nothing, or late, costs the members
-  below it one deadline, never the version.
+  below it one deadline, never the version; and ``Forwarders`` then leaves that parent out as a
+  forwarder for ``NO_FORWARD_FOR`` publications, so it costs that deadline once, not every version.
 """
 
 from __future__ import annotations
@@ -33,21 +34,57 @@ from echorl.protocol.routes import ANNOUNCE
 
 log = logging.getLogger(__name__)
 
+#: Publications a member that did not pass the announcement on is not relied on to: long enough
+#: that a withholding member costs its children one hop's wait in 16 versions, short enough that
+#: one whose child was unreachable once (a closed NAT connection) forwards again soon.
+NO_FORWARD_FOR = 16
+
 
 def forward_flags(
-    plan: BroadcastPlan, members: Sequence[PlanMember], took_last: Set[str], last_parent: Mapping[str, str]
+    plan: BroadcastPlan,
+    members: Sequence[PlanMember],
+    took_last: Set[str],
+    last_parent: Mapping[str, str],
+    not_forwarders: Set[str] = frozenset(),
 ) -> set[str]:
     """The members the learner leaves to their stripe-0 parent (see the module docstring).
-    ``took_last``: who took the last announcement; ``last_parent``: stripe-0 parents in its plan."""
+    ``took_last``: who took the last announcement; ``last_parent``: stripe-0 parents in its plan;
+    ``not_forwarders``: parents not relied on (they withheld a recent one)."""
     parent = plan.stripes[0].parent_of() if plan.stripes else {}
     out: set[str] = set()
     for m in members:
         p = parent.get(m.peer_id)
-        if p is None or p == plan.learner or m.peer_id not in took_last or p not in took_last:
+        if p is None or p == plan.learner or p in not_forwarders or not {m.peer_id, p} <= took_last:
             continue
         if m.reachable or last_parent.get(m.peer_id) == p:
             out.add(m.peer_id)
     return out
+
+
+class Forwarders:
+    """The learner's memory of announcements past: who took the last one and under which stripe-0
+    parent, and which members withheld one (``NO_FORWARD_FOR`` publications out as forwarders)."""
+
+    def __init__(self) -> None:
+        self.took_last: set[str] = set()
+        self.last_parent: dict[str, str] = {}
+        self.benched: dict[str, int] = {}  # member -> the last publication it is not relied on in
+
+    def flags(self, plan: BroadcastPlan, members: Sequence[PlanMember], publication: int) -> set[str]:
+        """``forward_flags`` for publication number ``publication``."""
+        benched = {p for p, until in self.benched.items() if until >= publication}
+        return forward_flags(plan, members, self.took_last, self.last_parent, benched)
+
+    def note(self, plan: BroadcastPlan, took: Set[str], fell_back: Set[str], publication: int) -> None:
+        """After publication ``publication``: remember who took it, and bench each parent that
+        took it but left a flagged child to the learner's copy (forwarded nothing, or late)."""
+        parent = plan.stripes[0].parent_of() if plan.stripes else {}
+        for child in fell_back:
+            p = parent.get(child)
+            if p is not None and p in took:
+                self.benched[p] = publication + NO_FORWARD_FOR
+        self.benched = {p: u for p, u in self.benched.items() if u > publication}
+        self.took_last, self.last_parent = set(took), parent
 
 
 class AnnounceRound:
@@ -82,6 +119,7 @@ class AnnounceRound:
         self.took: set[str] = set()
         self.asked: set[str] = {m.peer_id for m in members}
         self.sent = 0  # the learner's own requests (the first wave and the fallbacks)
+        self.fell_back: set[str] = set()  # flagged members that got the learner's copy instead
         self.heard_count = 0  # members that took it from a parent
 
     async def run(self) -> None:
@@ -93,9 +131,8 @@ class AnnounceRound:
                 await trio.sleep_until(start + d * self.hop_s)
                 for peer in self.levels[d]:
                     if peer in self.asked:
-                        log.info(
-                            "announce to %s: not forwarded within %.1f s, sent directly", short_id(peer), d * self.hop_s
-                        )
+                        log.info("announce to %s not forwarded in %.1f s: sent", short_id(peer), d * self.hop_s)
+                        self.fell_back.add(peer)
                         nursery.start_soon(self._send, peer)
 
     async def _send(self, peer: str) -> None:

@@ -73,7 +73,7 @@ from typing import Any
 
 import trio
 
-from echorl.broadcast.announcing import AnnounceRound, forward_flags
+from echorl.broadcast.announcing import AnnounceRound, Forwarders
 from echorl.broadcast.chunk_server import ChunkServer, _as_limiter
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.files import mapped, write_at
@@ -121,6 +121,7 @@ class BroadcastReport:
     node_seconds: dict[str, float] = field(default_factory=dict)
     announce_sends: int = 0  # the learner's own announce requests (the rest were forwarded)
     announce_heard: int = 0  # members that took the announcement from a plan parent
+    announce_late: int = 0  # members left to a parent that got the learner's copy at their deadline
 
 
 class Broadcaster:
@@ -209,9 +210,7 @@ class Broadcaster:
         self.uplinks = UplinkMeter()  # relays' uploads, timed by their children: the plan's weights
         self.weigh = weigh  # plan with them (else only measured): `echorl learner --plan-weights`
         self._rounds: dict[int, AnnounceRound] = {}  # announcements in flight (AnnounceHeard lands here)
-        # the last announcement: who took it and their stripe-0 parents (``forward_flags``)
-        self._took_last: set[str] = set()
-        self._last_parent: dict[str, str] = {}
+        self.forwarders = Forwarders()  # who may pass the next announcement on (``announcing.py``)
 
     def install(self) -> None:
         self.server.install_serving()
@@ -365,7 +364,7 @@ class Broadcaster:
 
         def build() -> tuple[PlanAnnounce, bytes, BroadcastPlan, set[str]]:
             plan = plan_for(self.identity.peer_id, members, shape, self.fanout, seed)
-            forwarded = forward_flags(plan, members, self._took_last, self._last_parent)
+            forwarded = self.forwarders.flags(plan, members, self._n_pub)
             flagged = [m.model_copy(update={"forward": True}) if m.peer_id in forwarded else m for m in members]
             ann = wire.sign(
                 PlanAnnounce(
@@ -482,7 +481,7 @@ class Broadcaster:
             announcing.cancel_scope.cancel()  # an announce still unanswered is a miss
         seconds = time.perf_counter() - t0
         self._rounds = {}
-        self._took_last, self._last_parent = set(announced), stripe0.parent_of()
+        self.forwarders.note(plan, announced, round_.fell_back, self._n_pub)
         self._n_pub += 1
         # one that never answers the announce costs each publication its announce deadline (issue 24)
         self.silence.note(version, {m.peer_id for m in members} - gone - set(done), set(done), self._n_pub)
@@ -517,4 +516,5 @@ class Broadcaster:
             node_seconds={p: d.seconds for p, d in done.items()},
             announce_sends=round_.sent,
             announce_heard=round_.heard_count,
+            announce_late=len(round_.fell_back),
         )

@@ -18,13 +18,14 @@ from hostile import plan_member
 from libp2p.peer.id import ID
 from test_hostile_rollouts import RUN, _join, _service, tiny  # noqa: F401 - fixture
 
-from echorl.broadcast.broadcaster import DONE, Broadcaster, NodeInfo
+from echorl.broadcast.broadcaster import Broadcaster, NodeInfo
 from echorl.net.framing import read_frame
 from echorl.net.host import PeerUnavailable, RequestContext, open_host
 from echorl.protocol import routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity
 from echorl.protocol.messages import BroadcastDone, Lease, LeaseDeferred, LeaseRequest
+from echorl.protocol.routes import DONE
 
 
 def _published_service(tiny, prompts_per_step: int, staleness: int):  # noqa: F811

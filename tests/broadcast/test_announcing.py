@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from echorl.broadcast.announcing import AnnounceRound, forward_flags
+from echorl.broadcast.announcing import NO_FORWARD_FOR, AnnounceRound, Forwarders, forward_flags
 from echorl.broadcast.deadlines import Deadlines
 from echorl.broadcast.store import plan_for
 from echorl.net.host import PeerUnavailable
@@ -87,6 +87,27 @@ def test_a_member_not_heard_from_gets_the_learners_copy_at_its_depths_deadline()
         assert r.heard_count == 1
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_parent_that_left_a_child_to_the_learner_is_not_relied_on_for_a_while():
+    ms = members(30)
+    plan = plan_for(L, ms, "striped", 3, 7)
+    parent = plan.stripes[0].parent_of()
+    everyone = {m.peer_id for m in ms}
+    child = next(c for c, p in parent.items() if p != L)
+    withholder = parent[child]
+    fw = Forwarders()
+    fw.note(plan, everyone, set(), 0)
+    assert child in fw.flags(plan, ms, 1)
+    fw.note(plan, everyone, {child}, 1)  # publication 1: the learner had to send the child its copy
+    assert child not in fw.flags(plan, ms, 2) and fw.flags(plan, ms, 2) == forward_flags(plan, ms, everyone, parent) - {
+        c for c, p in parent.items() if p == withholder
+    }
+    for n in range(2, 2 + NO_FORWARD_FOR):
+        fw.note(plan, everyone, set(), n)
+    assert child in fw.flags(plan, ms, 2 + NO_FORWARD_FOR)  # relied on again
+    fw.note(plan, everyone - {withholder}, {child}, 40)  # a parent that took nothing is not blamed
+    assert fw.benched == {}
 
 
 def test_the_forward_deadline_grows_with_the_bytes_and_the_copies():

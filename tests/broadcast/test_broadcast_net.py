@@ -239,9 +239,13 @@ def test_the_announcement_goes_down_the_plan_and_a_silent_forwarder_costs_only_i
         third = await bc.publish(3, versions[2], nodes, timeout=60, seed=seed)
         assert third.completed == everyone, third
         assert len(heads) + len(below) <= third.announce_sends <= len(heads) + len(subtree), third
-        assert third.announce_heard == 7 - third.announce_sends
+        assert third.announce_heard == 7 - third.announce_sends and third.announce_late >= len(below)
         await wait_version(peers, 3)
         assert {p.versions()[3] for p in peers} == {hashlib.sha256(versions[2]).hexdigest()}
+        # then it is not relied on: the members below it get the learner's copy at once
+        fourth = await bc.publish(4, versions[0], nodes, timeout=60, seed=seed)
+        assert fourth.completed == everyone and fourth.announce_late == 0, fourth
+        assert fourth.announce_sends == len(heads) + len(below) and fourth.announce_heard == 7 - fourth.announce_sends
 
     run_learner(body, fanout=2, chunk_bytes=64 * 1024)
 
