@@ -74,6 +74,8 @@ from hostile import (  # noqa: E402
 )
 from swarm import Swarm, signed_submit  # noqa: E402
 
+from echorl.broadcast.store import plan_for  # noqa: E402
+from echorl.learner.pace import PROVEN_LEASES  # noqa: E402
 from echorl.net.host import HostConfig, RemoteError, open_host  # noqa: E402
 from echorl.protocol import routes, wire  # noqa: E402
 from echorl.protocol.identity import Identity, load_identity, short_id  # noqa: E402
@@ -83,6 +85,7 @@ from echorl.protocol.messages import (  # noqa: E402
     LeaseDeferred,
     LeaseRequest,
     PlanAnnounce,
+    PlanMember,
     Status,
     StatusRequest,
 )
@@ -354,40 +357,66 @@ async def ssrf_ticket(t: Target, seen: Counter) -> None:
 
 
 @attack("silent_forwarder")
-async def silent_forwarder(t: Target, seen: Counter) -> None:
+async def silent_forwarder(t: Target, seen: Counter, tries: int = 5000) -> None:
     """A worker that relays chunks and reports like an honest node but passes no announcement on
-    to its stripe-0 children (issue 27): they get the learner's copy at their deadline, and then
-    the learner stops relying on it for 16 publications."""
+    to its stripe-0 children (issue 27). It grinds identities (they are free) against the plan an
+    accomplice heard until one would be a stripe-0 parent of an honest node, joins with that one
+    and answers ``PROVEN_LEASES`` leases (a proven worker relays; others are leaves). Its children
+    then get the learner's copy at their deadline, and the learner stops relying on it (16
+    publications, doubling at each offence)."""
+    ann = await heard_plan(t, lambda a: any(m.peer_id in t.honest for m in a.members))
+    # the accomplice leaves at once and is dropped from the plan once found gone: the honest remain
+    others = [m.model_copy(update={"forward": None}) for m in ann.members if m.peer_id in t.honest]
     me = Identity.generate()
+    for i in range(tries):
+        me = Identity.generate()
+        mine = PlanMember(peer_id=me.peer_id, reachable=True, addrs=[])
+        plan = plan_for(ann.learner_peer_id, [*others, mine], ann.shape, ann.fanout, ann.seed)
+        if any(c in t.honest for c in plan.children(me.peer_id, 0)):
+            seen["identities_ground"] = i + 1
+            break
     async with open_host(me) as host, trio.open_nursery() as nursery:
         relay = SilentRelay(host, t.learner, RUN)
         relay.install()
         nursery.start_soon(relay.run)
         await host.connect(t.addr)
         await join(host, t.learner, me)
-        await work_once(host, me, t, seen)
+        for _ in range(PROVEN_LEASES):  # proven (its last leases answered in time): a relay, not a leaf
+            await work_once(host, me, t, seen)
         while True:
             seen["versions_taken"] = max(0, relay.version)
+            held = list(relay.server.states.values())
+            seen["stripe0_children_now"] = len(held[-1].plan.children(me.peer_id, 0)) if held else 0
+            if held:
+                mine_now = [m for m in held[-1].announce.members if m.peer_id == me.peer_id]
+                seen["plan_members_now"] = len(held[-1].announce.members)
+                seen["relay_in_plan_now"] = int(bool(mine_now and mine_now[0].reachable))
             await trio.sleep(0.5)
 
 
-async def honest_addrs(t: Target) -> dict[str, list[str]]:
-    """The honest nodes' addresses, as a joined accomplice hears them in the next plan."""
-    found: dict[str, list[str]] = {}
-    heard = trio.Event()
+async def heard_plan(t: Target, until: Callable[[PlanAnnounce], bool]) -> PlanAnnounce:
+    """The first plan announcement a joined accomplice hears for which ``until`` holds."""
+    heard: list[PlanAnnounce] = []
+    event = trio.Event()
 
     async def on_announce(msg: Any, ctx: Any) -> BroadcastAck:
         assert isinstance(msg, PlanAnnounce)
-        found.update({m.peer_id: list(m.addrs) for m in msg.members if m.peer_id in t.honest and m.addrs})
-        if found:
-            heard.set()
+        if until(msg):
+            heard.append(msg)
+            event.set()
         return BroadcastAck(run_id=msg.run_id, version=msg.version, have_version=msg.version)
 
     async with joined(t) as (host, _):
         host.route(routes.ANNOUNCE, on_announce, request=PlanAnnounce)
         with trio.fail_after(120):
-            await heard.wait()
-    return found
+            await event.wait()
+    return heard[0]
+
+
+async def honest_addrs(t: Target) -> dict[str, list[str]]:
+    """The honest nodes' addresses, as a joined accomplice hears them in the next plan."""
+    ann = await heard_plan(t, lambda a: any(m.peer_id in t.honest and m.addrs for m in a.members))
+    return {m.peer_id: list(m.addrs) for m in ann.members if m.peer_id in t.honest and m.addrs}
 
 
 @attack("node_announce_flood")
@@ -555,6 +584,9 @@ LEARNER_COUNTS = (
     "leases_refused",
     "leases_active",
     "rollouts_rejected_stale",
+    "announce_sends",
+    "announce_heard",
+    "announce_late",
     "submissions_accepted",
     "joins_refused_ip_cap",
     "members_displaced",

@@ -15,7 +15,8 @@ member its own copy uploads N² bytes a version: 12.5 GB at 10,000 members, ~1,0
 - ``AnnounceRound`` sends the learner's own copy to every flagged member not heard from by its
   depth in stripe 0 times ``hop_s``: a parent that forwards nothing, or late, costs the members
   below it one deadline, never the version; and ``Forwarders`` then leaves that parent out as a
-  forwarder for ``NO_FORWARD_FOR`` publications, so it costs that deadline once, not every version.
+  forwarder for ``NO_FORWARD_FOR`` × 2^(k−1) publications at its k-th offence (at most
+  ``MAX_NO_FORWARD``), so a withholder costs its children that deadline a handful of times a run.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ from echorl.protocol.routes import ANNOUNCE
 
 log = logging.getLogger(__name__)
 
-#: Publications a member that did not pass the announcement on is not relied on to: long enough
-#: that a withholding member costs its children one hop's wait in 16 versions, short enough that
-#: one whose child was unreachable once (a closed NAT connection) forwards again soon.
+#: Publications a member that did not pass an announcement on is not relied on for, at its first
+#: offence: short, since one whose child was unreachable once (a closed NAT connection) is honest;
+#: doubled at each further one (to ``MAX_NO_FORWARD``), since a toy swarm publishes several
+#: versions a second and a fixed 16 would let a withholder cost its children a wait every few seconds.
 NO_FORWARD_FOR = 16
+MAX_NO_FORWARD = 4096
+MAX_OFFENDERS = 2 * 16384  # offence records kept (two plans' worth of members)
 
 
 def forward_flags(
@@ -63,27 +67,38 @@ def forward_flags(
 
 class Forwarders:
     """The learner's memory of announcements past: who took the last one and under which stripe-0
-    parent, and which members withheld one (``NO_FORWARD_FOR`` publications out as forwarders)."""
+    parent, and which members withheld one (out as forwarders for ``NO_FORWARD_FOR`` × 2^(k−1)
+    publications at their k-th offence)."""
 
     def __init__(self) -> None:
         self.took_last: set[str] = set()
         self.last_parent: dict[str, str] = {}
         self.benched: dict[str, int] = {}  # member -> the last publication it is not relied on in
+        self.offences: dict[str, int] = {}  # member -> announcements it withheld (bounded: see note)
+        # all publications: the learner's own copies, members that heard it from a parent, and
+        # members left to a parent that got the learner's copy at their deadline
+        self.counters = {"announce_sends": 0, "announce_heard": 0, "announce_late": 0}
 
     def flags(self, plan: BroadcastPlan, members: Sequence[PlanMember], publication: int) -> set[str]:
         """``forward_flags`` for publication number ``publication``."""
         benched = {p for p, until in self.benched.items() if until >= publication}
         return forward_flags(plan, members, self.took_last, self.last_parent, benched)
 
-    def note(self, plan: BroadcastPlan, took: Set[str], fell_back: Set[str], publication: int) -> None:
+    def note(self, plan: BroadcastPlan, took: Set[str], done: AnnounceRound, publication: int) -> None:
         """After publication ``publication``: remember who took it, and bench each parent that
         took it but left a flagged child to the learner's copy (forwarded nothing, or late)."""
         parent = plan.stripes[0].parent_of() if plan.stripes else {}
-        for child in fell_back:
+        for key, n in (("announce_sends", done.sent), ("announce_heard", done.heard_count)):
+            self.counters[key] += n
+        self.counters["announce_late"] += len(done.fell_back)
+        for child in done.fell_back:
             p = parent.get(child)
-            if p is not None and p in took:
-                self.benched[p] = publication + NO_FORWARD_FOR
+            if p is not None and p in took and p not in self.benched:
+                k = self.offences[p] = self.offences.get(p, 0) + 1
+                self.benched[p] = publication + min(MAX_NO_FORWARD, NO_FORWARD_FOR << (k - 1))
         self.benched = {p: u for p, u in self.benched.items() if u > publication}
+        if len(self.offences) > MAX_OFFENDERS:  # members long gone: forget the oldest records
+            self.offences = dict(list(self.offences.items())[-MAX_OFFENDERS // 2 :])
         self.took_last, self.last_parent = set(took), parent
 
 

@@ -220,9 +220,9 @@ class Broadcaster:
 
     def metrics(self) -> dict[str, int]:
         """The learner's serving refusals: chunk and catch-up requests (``ChunkServer.counters``)
-        and inbound connections (libp2p's and the direct port's guards)."""
+        and inbound connections (libp2p's and the direct port's guards); its announce copies."""
         refused = self.host.guard.refused + self.server.direct_guard.refused
-        return {**self.server.counters, "connections_refused": refused}
+        return {**self.server.counters, **self.forwarders.counters, "connections_refused": refused}
 
     def version_bytes(self, version: int) -> bytes | None:
         """A held version's safetensors file (None if no longer held). Thread-safe; may apply
@@ -481,7 +481,7 @@ class Broadcaster:
             announcing.cancel_scope.cancel()  # an announce still unanswered is a miss
         seconds = time.perf_counter() - t0
         self._rounds = {}
-        self.forwarders.note(plan, announced, round_.fell_back, self._n_pub)
+        self.forwarders.note(plan, announced, round_, self._n_pub)
         self._n_pub += 1
         # one that never answers the announce costs each publication its announce deadline (issue 24)
         self.silence.note(version, {m.peer_id for m in members} - gone - set(done), set(done), self._n_pub)

@@ -138,6 +138,24 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "was at its cap",
     ),
     (
+        "announce_sends",
+        "echorl_announce_sends_total",
+        "counter",
+        "plan announcements the learner sent itself (the rest went down stripe 0 from member to member)",
+    ),
+    (
+        "announce_heard",
+        "echorl_announce_heard_total",
+        "counter",
+        "members that took a plan announcement from their stripe-0 parent and said so",
+    ),
+    (
+        "announce_late",
+        "echorl_announce_late_total",
+        "counter",
+        "members left to a stripe-0 parent that got the learner's copy at their deadline (the parent withheld it)",
+    ),
+    (
         "fetch_refused_unjoined",
         "echorl_fetch_refused_unjoined_total",
         "counter",

@@ -3,6 +3,8 @@ sends its own copy to one not heard from (``AnnounceRound``)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import trio
 import trio.testing
 
@@ -96,18 +98,27 @@ def test_a_parent_that_left_a_child_to_the_learner_is_not_relied_on_for_a_while(
     everyone = {m.peer_id for m in ms}
     child = next(c for c, p in parent.items() if p != L)
     withholder = parent[child]
+
+    def round_(late: set[str]) -> SimpleNamespace:  # what ``note`` reads of an AnnounceRound
+        return SimpleNamespace(sent=len(late), heard_count=0, fell_back=late)
+
     fw = Forwarders()
-    fw.note(plan, everyone, set(), 0)
+    fw.note(plan, everyone, round_(set()), 0)
     assert child in fw.flags(plan, ms, 1)
-    fw.note(plan, everyone, {child}, 1)  # publication 1: the learner had to send the child its copy
+    fw.note(plan, everyone, round_({child}), 1)  # publication 1: the learner had to send the child its copy
     assert child not in fw.flags(plan, ms, 2) and fw.flags(plan, ms, 2) == forward_flags(plan, ms, everyone, parent) - {
         c for c, p in parent.items() if p == withholder
     }
     for n in range(2, 2 + NO_FORWARD_FOR):
-        fw.note(plan, everyone, set(), n)
+        fw.note(plan, everyone, round_(set()), n)
     assert child in fw.flags(plan, ms, 2 + NO_FORWARD_FOR)  # relied on again
-    fw.note(plan, everyone - {withholder}, {child}, 40)  # a parent that took nothing is not blamed
-    assert fw.benched == {}
+    fw.note(plan, everyone, round_({child}), 18)  # withheld again: out twice as long
+    assert child not in fw.flags(plan, ms, 18 + 2 * NO_FORWARD_FOR) and child in fw.flags(
+        plan, ms, 19 + 2 * NO_FORWARD_FOR
+    )
+    fw.benched.clear()
+    fw.note(plan, everyone - {withholder}, round_({child}), 80)  # a parent that took nothing is not blamed
+    assert fw.benched == {} and fw.counters["announce_late"] == 3 and fw.counters["announce_sends"] == 3
 
 
 def test_the_forward_deadline_grows_with_the_bytes_and_the_copies():

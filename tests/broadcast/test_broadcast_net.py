@@ -250,6 +250,39 @@ def test_the_announcement_goes_down_the_plan_and_a_silent_forwarder_costs_only_i
     run_learner(body, fanout=2, chunk_bytes=64 * 1024)
 
 
+def test_a_member_can_pass_on_only_what_the_learner_signed():
+    """A member of a held plan may send a node an announcement (it passes the learner's on); one it
+    signed itself is refused and changes nothing, a copy of a version the node holds is answered."""
+    from hostile import plan_member
+
+    async def body(host, bc, peers):
+        peers.extend(await start_peers(host.addrs[0], 1))
+        node = peers[0]
+        member_id = Identity.generate()
+        async with open_host(member_id, HostConfig()) as member, trio.open_nursery() as nursery:
+            plan_member(member, nursery, bc.identity.peer_id, report=True, run_id=RUN)
+            await member.connect(host.addrs[0])
+            await member.connect(node.addrs[0])
+            nodes = [node.info(), NodeInfo(member_id.peer_id, True, tuple(member.addrs))]
+            data = safetensors_f32(np.arange(1000, dtype=np.float32))
+            report = await bc.publish(1, data, nodes, timeout=30)
+            assert node.peer_id in report.completed
+            await wait_version([node], 1)
+            genuine = next(iter(bc.server.states.values())).announce
+            ack = await member.request(node.peer_id, ANNOUNCE, genuine, expect=BroadcastAck)
+            assert ack.have_version == 1  # a copy of what it holds: answered, nothing to do
+            forged = wire.sign(
+                genuine.model_copy(update={"version": 2, "learner_peer_id": member_id.peer_id}), member_id
+            )
+            with pytest.raises(RemoteError) as info:
+                await member.request(node.peer_id, ANNOUNCE, forged, expect=BroadcastAck)
+            assert info.value.code in (ErrorCode.WRONG_SIGNER, ErrorCode.BAD_SIGNATURE)
+            assert set(node.versions()) == {1}
+            nursery.cancel_scope.cancel()
+
+    run_learner(body, fanout=2, chunk_bytes=1024)
+
+
 def test_bad_signatures_are_refused():
     async def body(host, bc, peers):
         peers.extend(await start_peers(host.addrs[0], 1))
