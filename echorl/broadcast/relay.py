@@ -173,8 +173,10 @@ class Relay:
         if msg.run_id != self.run_id:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"run {msg.run_id!r} is not served here")
         forwarded = ctx.peer_id != self.learner
-        if forwarded and (msg.version in self.server.states or msg.version <= self.version):
-            return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.version)  # had it
+        # a member's copy of one already taken, or older than what it holds (caught up to exactly
+        # this version: taken, so its plan children get their chunks): answered, nothing to check
+        if forwarded and (msg.version in self.server.states or msg.version < self.version):
+            return BroadcastAck(run_id=self.run_id, version=msg.version, have_version=self.version)
         me = self.host.peer_id
 
         def check() -> tuple[VersionState, list[str], bytes]:  # 10,000 members: ~0.3 s of CPU, off the loop
