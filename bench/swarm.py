@@ -27,7 +27,8 @@ publication (``prompts_per_step`` is larger than what a window submits, so no st
 plan is built or announced: ``plan_build_s`` and ``announce_bytes`` are not measured here).
 
 Per N, one JSON line: ``peers``, ``joined``, ``join_s`` (all joins), ``leases_per_s``,
-``deferrals_per_s``, ``submits_per_s`` (accepted), ``lease_p50_ms``, ``lease_p99_ms``,
+``deferrals_per_s`` (and ``deferrals_by_reason``: ``LeaseDeferred.reason`` counts in the window),
+``submits_per_s`` (accepted), ``lease_p50_ms``, ``lease_p99_ms``,
 ``submit_p50_ms``, ``submit_p99_ms``, ``cpu_ms_per_submission`` (the learner process's user+system
 CPU over the window, from /proc, per accepted submission), ``learner_cpu_share`` (of one core),
 ``cpu_ms_per_submission_net`` (the same, less the learner's CPU with no peer joined,
@@ -116,7 +117,7 @@ async def one_peer(i: int, args: argparse.Namespace, events: list, joined: list,
                     continue
                 lat = time.perf_counter() - t
                 if isinstance(reply, LeaseDeferred):
-                    events.append(("deferred", time.time(), lat))
+                    events.append(("deferred:" + reply.reason, time.time(), lat))
                     version = reply.want_version if reply.want_version >= 0 else version
                     await trio.sleep(max(0.05, reply.retry_after_s))  # earlier is refused, then struck
                     continue
@@ -271,7 +272,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         "window_s": round(window, 1),
         "work_s": args.work_s,
         "leases_per_s": round(len(lease) / window, 2),
-        "deferrals_per_s": round(sum(k == "deferred" for k, _ in inside) / window, 2),
+        "deferrals_per_s": round(sum(k.startswith("deferred:") for k, _ in inside) / window, 2),
+        "deferrals_by_reason": dict(Counter(k.split(":", 1)[1] for k, _ in inside if k.startswith("deferred:"))),
         "submits_per_s": round(len(submit) / window, 2),
         "lease_p50_ms": round(pct(lease, 0.5) * ms, 2),
         "lease_p99_ms": round(pct(lease, 0.99) * ms, 2),
