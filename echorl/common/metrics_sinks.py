@@ -107,6 +107,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "joins refused (peer_limit): the address already holds max_peers_per_ip members",
     ),
     (
+        "pings",
+        "echorl_pings_total",
+        "counter",
+        "liveness pings sent to members not heard from lately (at most MAX_PINGS_PER_S a second at any N)",
+    ),
+    (
         "pings_excused",
         "echorl_pings_excused_total",
         "counter",

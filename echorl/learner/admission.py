@@ -289,7 +289,7 @@ class Admission:
         one lease) while no live peer is proven, then one lease for every
         ``PROVEN_PER_NEWCOMER_LEASE`` live proven peers, never more than that half."""
         half = max(prompts_per_lease, in_flight_cap // 2)
-        proven = sum(1 for p in self.book.active(now=now) if self.trusted(p.peer_id))
+        proven = len(self.pace.ranking(now).proven)  # live proven peers (pace.py: RANK_S_PER_MEMBER)
         if proven == 0:
             return half
         return min(half, prompts_per_lease * math.ceil(proven / PROVEN_PER_NEWCOMER_LEASE))

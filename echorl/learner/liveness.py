@@ -9,6 +9,15 @@ sleeping ``TICK_S`` at a time and records how much later than that it woke; the 
 ``worst_since(t)`` when a ping started at ``t`` timed out, and a timeout during which the loop
 was ``EXCUSE_FRACTION`` of the ping's timeout late is the learner's, not the peer's: the peer stays
 alive and is pinged again (``pings_excused``).
+
+The sweep's own cost is bounded too: a ping is a stream open, a protocol negotiation, an echo and
+a close on the learner's loop, and pinging every member quiet for ``liveness_after_s`` (3 s) costs
+a rate that grows with N — at 1,000 peers whose leases take 10 s, each is quiet twice a lease,
+hundreds of pings a second. A member is pinged once it has been quiet for ``liveness_after_s`` or
+for N / ``MAX_PINGS_PER_S``, whichever is longer, so the learner sends at most
+``MAX_PINGS_PER_S`` pings a second at any N; a member that works is heard at each lease and
+submission and is not pinged at all. A dead node in a large swarm is noticed later (50 s at 1,000
+members), and its leases still expire at their deadline.
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ ping was out (0.19 s of a 3 s timeout): at that lateness in each of its rounds t
 its timeout waiting for the learner alone. A loaded but healthy loop is late by milliseconds; at
 1,000 peers on 2 cores a first cut at a quarter of the timeout excused too few, and the learner
 still marked 2,649 live members dead in one run."""
+MAX_PINGS_PER_S = 20.0
+"""The most liveness pings the learner sends a second, whatever the number of members (the quiet
+time before a ping grows as N / this): a ping is ~0.7 ms of the learner's loop (py-spy, 300 peers),
+so 20 a second is ~1.5 % of a core; at 3 s for every member, 1,000 members cost hundreds a second."""
 
 
 class LoopLag:
@@ -87,12 +100,19 @@ class Liveness:
     def __init__(self, book: PeerBook, settings: ServiceFields, lost: Callable[[str, str], None]) -> None:
         self.book, self.settings, self.lost = book, settings, lost
         self.lag = LoopLag()
-        self.counters = {"pings_excused": 0}  # pings that timed out while the loop ran late
+        self.counters = {"pings": 0, "pings_excused": 0}  # sent; timed out while the loop ran late
+
+    def quiet_after_s(self, members: int) -> float:
+        """How long a live member may go unheard before it is pinged: ``liveness_after_s``, or
+        longer with many members, so that pings stay under ``MAX_PINGS_PER_S``."""
+        return max(self.settings.liveness_after_s, members / MAX_PINGS_PER_S)
 
     async def sweep(self, host: Host, now: float) -> None:
         """Ping every quiet live member at once; returns when each answered, failed or timed out."""
-        after = self.settings.liveness_after_s
-        quiet = [p.peer_id for p in self.book.values() if p.alive and now - p.last_seen > after]
+        live = [p for p in self.book.values() if p.alive]
+        after = self.quiet_after_s(len(live))
+        quiet = [p.peer_id for p in live if now - p.last_seen > after]
+        self.counters["pings"] += len(quiet)
         async with trio.open_nursery() as nursery:
             for pid in quiet:
                 nursery.start_soon(self._probe, host, pid)

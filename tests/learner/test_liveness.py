@@ -10,7 +10,7 @@ import time
 import trio
 
 from echorl.learner.config import ServiceFields
-from echorl.learner.liveness import EXCUSE_FRACTION, Liveness, LoopLag
+from echorl.learner.liveness import EXCUSE_FRACTION, MAX_PINGS_PER_S, Liveness, LoopLag
 from echorl.learner.peers import PeerBook, PeerRecord
 from echorl.net.host import PeerUnavailable
 from echorl.protocol.messages import Capability
@@ -72,3 +72,32 @@ def test_loop_lag_counts_an_overdue_sleep_and_forgets_old_samples() -> None:
     assert not lag.excuses(100.5, 3.0, now=101.0)
     lag.note(200.0, 0.0)  # a minute later: the old samples are gone
     assert lag.worst_since(0.0, now=200.0) == 0.0
+
+
+class _CountingHost:
+    def __init__(self) -> None:
+        self.pinged: list[str] = []
+
+    async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
+        self.pinged.append(peer_id)
+        return 0.001
+
+
+def test_pings_stay_under_a_fixed_rate_at_any_number_of_members() -> None:
+    """At 1,000 members a ping for every member quiet 3 s was hundreds a second on the learner's
+    loop: the quiet time grows as N / MAX_PINGS_PER_S, and a few members keep the 3 s rule."""
+    n, now = 200, time.monotonic()
+    book = PeerBook()
+    for i in range(n):  # half quiet 4 s, half 12 s: both past liveness_after_s
+        seen = now - (4.0 if i % 2 else 12.0)
+        book.add(PeerRecord(f"peer-{i}", CAP, seen, seen, version=0))
+    live = Liveness(book, ServiceFields(liveness_after_s=3.0), lambda p, why: None)
+    assert live.quiet_after_s(3) == 3.0 and live.quiet_after_s(n) == n / MAX_PINGS_PER_S == 10.0
+    host = _CountingHost()
+    trio.run(live.sweep, host, now)
+    assert sorted(host.pinged) == sorted(f"peer-{i}" for i in range(0, n, 2))  # only those quiet > 10 s
+    assert live.counters["pings"] == n // 2
+    assert all(book[p].last_seen >= now for p in host.pinged)  # an answer counts as heard
+    host.pinged.clear()
+    trio.run(live.sweep, host, now + 1.0)  # the answered are fresh; the rest not yet 10 s quiet
+    assert host.pinged == []

@@ -6,6 +6,7 @@ and what a checkpoint keeps of the service (bans, node addresses, accounts), bad
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -150,6 +151,47 @@ def test_the_fleet_s_reference_is_reused_until_a_result_or_an_expiry_lands(monke
     adm.load("fast3").recent_s_per_group = 1.0
     adm.on_expired("fast3", now=2.0)
     assert adm.pace.reference_rate() == pytest.approx(1.0)
+
+
+def test_a_large_fleet_is_ranked_at_most_every_fifth_of_a_millisecond_a_member(monkeypatch) -> None:
+    """At 1,000 peers ranking the fleet after every result, and counting its proven peers and the
+    room kept for them per lease request, was 15 % of the learner's loop: from
+    ``RANK_AT_ONCE_UNDER`` members a change is ranked once the last ranking is
+    ``RANK_S_PER_MEMBER`` × members old, and the room kept is what a scan of every member keeps."""
+    from swarm import capability
+
+    from echorl.learner import pace as pace_mod
+    from echorl.learner.admission import Admission
+    from echorl.learner.config import AdmissionFields
+    from echorl.learner.peers import PeerBook
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(pace_mod.time, "monotonic", lambda: clock[0])
+    n = 150
+    book = PeerBook()
+    adm = Admission(book, AdmissionFields())
+    for i in range(n):
+        book.join(f"p{i}", capability(), 0, ip=f"10.0.{i // 200}.{i % 200 + 1}")
+        for _ in range(pace_mod.PROVEN_LEASES):  # every other one twice as fast
+            adm.on_result(f"p{i}", groups=2 if i % 2 else 1, issued_at=clock[0] - 1.0, now=clock[0])
+    clock[0] += pace_mod.REFERENCE_TTL_S  # a quiet second: ranked afresh
+    first = adm.pace.ranking()
+    assert len(first.proven) == n and first.members == n and n >= pace_mod.RANK_AT_ONCE_UNDER
+    assert adm.unproven_budget(1000, 2, clock[0]) == 2 * math.ceil(n / 4)
+    adm.on_result("p0", groups=8, issued_at=clock[0] - 1.0, now=clock[0])  # p0 is now the fastest
+    assert adm.pace.ranking() is first  # a change waits for 150 × 0.2 ms
+    clock[0] += pace_mod.RANK_S_PER_MEMBER * n * 1.01
+    again = adm.pace.ranking()
+    assert again is not first
+    assert dict((p, r) for r, p in again.proven)["p0"] > dict((p, r) for r, p in first.proven)["p0"] == 1.0
+    # the room kept for an asker: one lease for each faster proven peer holding none
+    held = {f"p{i}": 1 for i in range(0, n, 4)}
+    asker = "p2"  # a slow one: the fast ones and p0 ahead of it count
+    mine = adm.load(asker).recent_per_s
+    by_scan = sum(
+        1 for i in range(n) if f"p{i}" != asker and adm.load(f"p{i}").recent_per_s > mine and held.get(f"p{i}", 0) == 0
+    )
+    assert adm.pace.reserved(asker, 2, clock[0], held) == 2 * by_scan > 0
 
 
 def test_a_late_result_counts_like_an_expiry_and_resets_nothing() -> None:
