@@ -15,9 +15,9 @@ joined, correctly signing node from poisoning, starving or fooling a run (docs/t
   whose leases keep expiring, coming back late or stale is backed off exponentially, then
   refused (``refused``) for the rest of the run. Untrusted peers (not proven: fewer than
   ``PROVEN_LEASES`` leases in a row answered in time) hold one lease each and together at most
-  half of the in-flight budget (at least one lease) before anyone is proven, then one lease per
-  ``PROVEN_PER_NEWCOMER_LEASE`` live proven peers, shared equally by the addresses that have an
-  unproven member asking for work (at least one lease each).
+  the newcomer budget (``learner/newcomers.py``: half of the in-flight budget before anyone is
+  proven, then a lease per four proven peers plus the leases newcomers earned by answering in
+  time), shared equally by the addresses that have an unproven member asking for work.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.config import AdmissionFields
 from echorl.learner.leases import LeaseRecord
+from echorl.learner.newcomers import Newcomers
 from echorl.learner.pace import DEADLINE_FACTOR, LATE_FACTOR, MAX_DEADLINE_BASES, FleetPace, is_proven
 from echorl.learner.peers import PeerBook, PeerLoad
 from echorl.protocol import limits
@@ -42,37 +43,9 @@ if TYPE_CHECKING:
     from echorl.rl.seams import Tokenizer
     from echorl.tasks.base import Task
 
-ASKING_WINDOW_S = 10.0
-"""An address counts in the split of the unproven budget while one of its unproven peers asked for
-work this recently: many retries of a deferred peer (``retry_after_s`` ≤ 0.5 s) apart, so a
-newcomer waiting for room keeps its address's share, and an identity that stopped asking (idle,
-backed off) soon gives its share back."""
-TURN_WINDOW_S = 2.0
-"""An address waits for its turn at the unproven budget while one of its unproven peers asked
-this recently (four retries of a deferred newcomer): when the budget has room for fewer than
-every waiting address, the address whose last unproven lease is oldest goes first."""
-UNPROVEN_RETRY_S = 0.5
-"""``retry_after_s`` of a ``paced`` deferral to an unproven peer: room for one comes only when a
-lease settles, so asking 20 times a second buys it nothing, and a crowd of identities polling
-costs the learner's loop (issue 24: 32 slow-walkers asked ~250 times a second)."""
-UNPROVEN_SLOT_S = 0.05
-"""Unproven peers together are told to ask again at most this often: each deferral to one takes
-the next free slot of one clock shared by all of them, so a crowd of identities (32 walkers on
-8 addresses, each asking every 0.5 s, cost the learner and the machine ~110 answers a second)
-asks no more than 20 times a second in all, while a lone newcomer still asks every 0.5 s."""
-UNPROVEN_RETRY_MAX_S = 5.0
-"""The longest ``retry_after_s`` the shared clock gives an unproven peer: a newcomer among a
-crowd of any size asks again within this, and a freed slot waits for its address's turn
-(``TURN_WINDOW_S``), not for its poll."""
 PROVEN_RETRY_S = 0.05
 """``retry_after_s`` of a ``paced`` deferral to a proven peer: it is kept room and should take it
 soon after it frees."""
-PROVEN_PER_NEWCOMER_LEASE = 4
-"""While proven peers work, unproven peers together hold at most one lease for every this many
-live proven peers (at least one; half the in-flight budget before anyone is proven): a newcomer
-needs one lease at a time to prove itself, while a crowd of identities on many addresses that
-hold each lease to its deadline took up to half the budget (issue 24, ``slow_walker_8x4``: 0.64 of
-clean goodput with half, 0.83 with one lease)."""
 EARLY_SLACK_S = 0.02
 """A lease request this much before the ``retry_after_s`` the peer was given is early: an honest
 node sleeps the whole of it after the reply arrives, so its next request comes later still."""
@@ -105,13 +78,10 @@ class Admission:
         self.leases_refused = 0
         self.leases_late = 0  # results that came back later than the fleet's pace allows
         self.pace = FleetPace(self.book)
-        self.asking: dict[str, float] = {}  # address -> when an unproven peer from it last asked for work
-        self.last_unproven_ask = ("", -math.inf)  # the unproven peer that last asked for work, and when
-        self.granted: dict[str, float] = {}  # address -> when an unproven peer from it was last leased
-        self._unproven_next = 0.0  # the next free slot of the unproven peers' shared retry clock
+        self.newcomers = Newcomers(self.book, self.pace)  # the unproven peers' share (newcomers.py)
 
     def metrics(self) -> dict[str, int]:
-        return {"leases_refused": self.leases_refused, "leases_late": self.leases_late}
+        return {"leases_refused": self.leases_refused, "leases_late": self.leases_late, **self.newcomers.counters}
 
     # --- versions -------------------------------------------------------------------------------
     def note_published(self, version: int, weights_bytes: int = 0) -> None:
@@ -198,26 +168,22 @@ class Admission:
     ) -> int:
         """Prompts ``peer_id`` may be leased now (≤ 0: none): at most ``wanted``, within the
         in-flight budget's ``room`` less what the fleet's pace keeps for others
-        (``FleetPace.reserved``), and for an unproven peer within its share of the unproven half
-        (``unmeasured_room``). ``held``: open leases by holder; ``active``: the lease records;
+        (``FleetPace.reserved``), and for an unproven peer within its share of the newcomer budget
+        (``Newcomers.room``). ``held``: open leases by holder; ``active``: the lease records;
         ``per_lease``: the run's prompts per lease."""
         max_leases = self.policy.max_leases_per_peer
-        room -= self.pace.reserved(peer_id, per_lease, now, held, max_leases, self.newcomer_asking(now))
+        room -= self.pace.reserved(peer_id, per_lease, now, held, max_leases, self.newcomers.asking_now(now))
         n = min(wanted, room)
         if not self.trusted(peer_id):
-            n = min(n, self.unmeasured_room(peer_id, in_flight_cap, per_lease, active, now))
+            n = min(n, self.newcomers.room(peer_id, in_flight_cap, per_lease, active, now))
             if n > 0:
-                self.granted[self.book.address_of(peer_id)] = now
+                self.newcomers.grant(peer_id, now)
         return n
 
     def retry_s(self, peer_id: str, now: float) -> float:
-        """``retry_after_s`` for a deferred peer: short for a proven one; for an unproven one
-        ``UNPROVEN_RETRY_S``, or later when the shared clock's next free slot is later
-        (``UNPROVEN_SLOT_S``; at most ``UNPROVEN_RETRY_MAX_S``)."""
-        if self.trusted(peer_id):
-            return PROVEN_RETRY_S
-        self._unproven_next = min(max(self._unproven_next, now) + UNPROVEN_SLOT_S, now + UNPROVEN_RETRY_MAX_S)
-        return max(UNPROVEN_RETRY_S, self._unproven_next - now)
+        """``retry_after_s`` for a deferred peer: short for a proven one; for an unproven one the
+        newcomers' shared clock (``Newcomers.retry_s``)."""
+        return PROVEN_RETRY_S if self.trusted(peer_id) else self.newcomers.retry_s(now)
 
     def told_to_wait(self, peer_id: str, retry_after_s: float, now: float) -> None:
         """The peer was told not to ask for a lease for ``retry_after_s``."""
@@ -239,66 +205,6 @@ class Admission:
         """Whether the peer asked early ``EARLY_ASKS_STRUCK`` times within ``EARLY_WINDOW_S``."""
         load = self.book.loads.get(peer_id)
         return load is not None and load.early_asks >= EARLY_ASKS_STRUCK
-
-    def unmeasured_room(
-        self,
-        peer_id: str,
-        in_flight_cap: int,
-        prompts_per_lease: int,
-        active: Iterable[LeaseRecord],
-        now: float | None = None,
-    ) -> int:
-        """Prompts one more untrusted peer, ``peer_id``, may be leased: peers not proven
-        (``trusted``) together hold at most ``unproven_budget`` (half of the in-flight budget
-        before anyone is proven, then a lease per four proven peers), so
-        identities that take a lease and never answer, or answer it slowly, cannot starve the
-        proven, working nodes; and that half is shared by address (IPv4 address, IPv6 /64): the
-        unproven peers of one address hold at most an equal share of it among the addresses
-        whose unproven peers asked within ``ASKING_WINDOW_S`` (at least one lease), so one
-        address's fresh identities cannot keep every newcomer elsewhere waiting, and idle ones
-        shrink no one's share. When the budget has room for fewer leases than the addresses
-        waiting for one (asked within ``TURN_WINDOW_S``, holding none), the address whose last
-        unproven lease is oldest goes first, so a crowd that asks more often does not win every
-        freed slot. ``active``: the lease records. Called for every lease request of an unproven
-        peer that is otherwise ready for work."""
-        now = time.monotonic() if now is None else now
-        budget, book = self.unproven_budget(in_flight_cap, prompts_per_lease, now), self.book
-        mine = book.address_of(peer_id)
-        self.asking = {a: t for a, t in self.asking.items() if now - t < ASKING_WINDOW_S}
-        self.granted = {a: t for a, t in self.granted.items() if a in self.asking}
-        self.asking[mine] = now
-        self.last_unproven_ask = (peer_id, now)
-        by_address: dict[str, int] = {}
-        for r in active:
-            if not self.trusted(r.peer_id):
-                a = book.address_of(r.peer_id)
-                by_address[a] = by_address.get(a, 0) + len(r.prompts)
-        free, turn = budget - sum(by_address.values()), self.granted.get(mine, -math.inf)
-        ahead = sum(
-            1
-            for a, t in self.asking.items()
-            if now - t < TURN_WINDOW_S and a not in by_address and self.granted.get(a, -math.inf) < turn
-        )
-        if ahead and free < prompts_per_lease * (ahead + 1):
-            return 0  # not this address's turn
-        share = max(prompts_per_lease, budget // len(self.asking))
-        return min(free, share - by_address.get(mine, 0))
-
-    def unproven_budget(self, in_flight_cap: int, prompts_per_lease: int, now: float) -> int:
-        """Prompts all unproven peers may hold together: half of the in-flight budget (at least
-        one lease) while no live peer is proven, then one lease for every
-        ``PROVEN_PER_NEWCOMER_LEASE`` live proven peers, never more than that half."""
-        half = max(prompts_per_lease, in_flight_cap // 2)
-        proven = len(self.pace.ranking(now).proven)  # live proven peers (pace.py: RANK_S_PER_MEMBER)
-        if proven == 0:
-            return half
-        return min(half, prompts_per_lease * math.ceil(proven / PROVEN_PER_NEWCOMER_LEASE))
-
-    def newcomer_asking(self, now: float) -> bool:
-        """Whether an unproven peer, otherwise ready for work, asked for a lease within
-        ``ASKING_WINDOW_S`` (``FleetPace.reserved`` then keeps it one lease of room)."""
-        peer_id, at = self.last_unproven_ask
-        return now - at < ASKING_WINDOW_S and not self.trusted(peer_id)
 
     def measured(self, peer_id: str) -> bool:
         return self.load(peer_id).groups_per_s > 0
@@ -364,11 +270,15 @@ class Admission:
         answer is never billed more than a fast one."""
         now = time.monotonic() if now is None else now
         load, seconds, pol = self.load(peer_id), max(1e-3, now - issued_at), self.policy
-        fair = self.pace.expected_s(groups)
+        fair, in_row = self.pace.expected_s(groups), load.on_time_in_row
         if 0 < late_after_s < seconds:
             self.leases_late += 1
+            if not is_proven(load):
+                self.newcomers.walked()
             load.late(groups, seconds, now, pol.expiry_backoff_s, pol.expiry_backoff_max_s)
         else:
+            if not is_proven(load):
+                self.newcomers.answered(in_row, now)
             load.answered(groups, seconds)
             load.worked_at = now
         self.pace.changed()
@@ -376,8 +286,10 @@ class Admission:
 
     def on_expired(self, peer_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        pol = self.policy
-        self.load(peer_id).expired(now, pol.expiry_backoff_s, pol.expiry_backoff_max_s)
+        pol, load = self.policy, self.load(peer_id)
+        if not is_proven(load):
+            self.newcomers.walked()
+        load.expired(now, pol.expiry_backoff_s, pol.expiry_backoff_max_s)
         self.pace.changed()
 
     # --- contributors ---------------------------------------------------------------------------

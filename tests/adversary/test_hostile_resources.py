@@ -124,6 +124,9 @@ def test_while_proven_peers_work_newcomers_hold_a_lease_per_four_of_them(
             for _ in range(3):
                 svc.admission.on_result(ctx.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
             assert [type(await ask(ctx)) for _ in range(2)] == [Lease, Lease]  # at work: two leases each
+        # each proving answer after its first earned newcomers a lease for EARNED_TTL_S; a minute on:
+        assert len(svc.admission.newcomers.earned) == 2 * proven_peers
+        svc.admission.newcomers.earned.clear()
         crowd = [await ask(_join(svc, Identity.generate())) for _ in range(40)]
         assert sum(isinstance(r, Lease) for r in crowd) == newcomer_leases
 
@@ -535,7 +538,7 @@ def test_unproven_peers_share_one_retry_clock_and_wait_after_weights_too_old(tin
     second. Now every deferral to an unproven peer takes the next slot of one clock (20 a second
     in all, at most 5 s away), and ``weights_too_old`` to an unproven peer carries that
     ``retry_after_s`` too (asking earlier is refused); a proven peer is not slowed."""
-    from echorl.learner.admission import UNPROVEN_RETRY_MAX_S, UNPROVEN_RETRY_S, UNPROVEN_SLOT_S
+    from echorl.learner.newcomers import UNPROVEN_RETRY_MAX_S, UNPROVEN_RETRY_S, UNPROVEN_SLOT_S
 
     async def main() -> None:
         svc = _service(tiny, prompts_per_step=8, staleness=2)

@@ -1,0 +1,165 @@
+"""The unproven peers' share of the in-flight budget (docs/threat-model.md, "slow-walking lease
+hoarder"): how many leases peers that have not yet proven themselves may hold together, how that is
+split by address, whose turn a freed slot is, and when a deferred newcomer asks again.
+
+A peer is proven once its last ``PROVEN_LEASES`` leases were answered in time (``learner/pace.py``).
+Until then it holds one lease, and all unproven peers together hold at most the **newcomer budget**:
+
+- half of the in-flight budget while no live peer is proven (someone must start);
+- then one lease per ``PROVEN_PER_NEWCOMER_LEASE`` live proven peers, plus one lease for each
+  lease a newcomer answered in time *after its first* within ``EARNED_TTL_S`` (``earned``), less
+  ``LATE_COST`` for each lease an unproven peer answered late or let expire; never more than the
+  half.
+
+The earned part is what lets a thousand honest newcomers in (issue 27): with a lease per four proven
+peers alone, the proven count grew by a quarter of itself every three lease times, and at 1,000
+peers whose leases take 10 s most were still waiting for their first lease minutes after they
+joined. A newcomer's second and third answers in time each earn one more lease for newcomers, so the
+budget doubles about every lease and a half while they answer. A slow-walker earns nothing: its
+opening answer is fast but earns no lease (one fast answer proves nothing), its second is late and
+takes ``LATE_COST`` leases back; identities can spend what honest newcomers earned, for at most
+``EARNED_TTL_S``, never more than they lose by walking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+
+from echorl.learner.leases import LeaseRecord
+from echorl.learner.pace import FleetPace, is_proven
+from echorl.learner.peers import PeerBook
+
+ASKING_WINDOW_S = 10.0
+"""An address counts in the split of the unproven budget while one of its unproven peers asked for
+work this recently: many retries of a deferred peer (``retry_after_s`` ≤ 0.5 s) apart, so a
+newcomer waiting for room keeps its address's share, and an identity that stopped asking (idle,
+backed off) soon gives its share back."""
+TURN_WINDOW_S = 2.0
+"""An address waits for its turn at the unproven budget while one of its unproven peers asked
+this recently (four retries of a deferred newcomer): when the budget has room for fewer than
+every waiting address, the address whose last unproven lease is oldest goes first."""
+UNPROVEN_RETRY_S = 0.5
+"""``retry_after_s`` of a ``paced`` deferral to an unproven peer: room for one comes only when a
+lease settles, so asking 20 times a second buys it nothing, and a crowd of identities polling
+costs the learner's loop (issue 24: 32 slow-walkers asked ~250 times a second)."""
+UNPROVEN_SLOT_S = 0.05
+"""Unproven peers together are told to ask again at most this often: each deferral to one takes
+the next free slot of one clock shared by all of them, so a crowd of identities (32 walkers on
+8 addresses, each asking every 0.5 s, cost the learner and the machine ~110 answers a second)
+asks no more than 20 times a second in all, while a lone newcomer still asks every 0.5 s."""
+UNPROVEN_RETRY_MAX_S = 5.0
+"""The longest ``retry_after_s`` the shared clock gives an unproven peer: a newcomer among a
+crowd of any size asks again within this, and a freed slot waits for its address's turn
+(``TURN_WINDOW_S``), not for its poll."""
+PROVEN_PER_NEWCOMER_LEASE = 4
+"""While proven peers work, unproven peers together hold at least one lease for every this many
+live proven peers (at least one; half the in-flight budget before anyone is proven): a newcomer
+needs one lease at a time to prove itself, while a crowd of identities on many addresses that
+hold each lease to its deadline took up to half the budget (issue 24, ``slow_walker_8x4``: 0.64 of
+clean goodput with half, 0.83 with one lease)."""
+EARNED_TTL_S = 60.0
+"""How long a lease earned by a newcomer's answer in time counts in the budget: several lease
+times of an honest fleet (the budget keeps what the answering newcomers hold), and what a crowd
+arriving after the newcomers proved themselves can spend at most."""
+LATE_COST = 2
+"""Earned leases taken back for each lease an unproven peer answers late or lets expire: more than
+a newcomer's answer earns, so identities that take leases and walk them lose the budget faster
+than any of them could earn it."""
+
+
+class Newcomers:
+    """The newcomer budget and its turns; each deferral and grant to an unproven peer goes through
+    here. Reads the peer book and the fleet's ranking; owns only its own fields."""
+
+    def __init__(self, book: PeerBook, pace: FleetPace) -> None:
+        self.book, self.pace = book, pace
+        self.asking: dict[str, float] = {}  # address -> when an unproven peer from it last asked for work
+        self.last_ask = ("", -math.inf)  # the unproven peer that last asked for work, and when
+        self.granted: dict[str, float] = {}  # address -> when an unproven peer from it was last leased
+        self.earned: deque[float] = deque()  # when each earned lease was earned, oldest first
+        self._retry_next = 0.0  # the next free slot of the unproven peers' shared retry clock
+        self.counters = {"newcomer_leases_earned": 0, "newcomer_leases_lost": 0}
+
+    def answered(self, in_row_before: int, now: float) -> None:
+        """An unproven peer answered a lease in time, after ``in_row_before`` in a row: its
+        second and later answers each earn newcomers a lease (its first, a slow-walker's opening,
+        none)."""
+        if in_row_before >= 1:
+            self.earned.append(now)
+            self.counters["newcomer_leases_earned"] += 1
+
+    def walked(self) -> None:
+        """An unproven peer answered a lease late or let it expire: ``LATE_COST`` earned leases go."""
+        for _ in range(min(LATE_COST, len(self.earned))):
+            self.earned.pop()  # the newest: the rest would expire sooner anyway
+            self.counters["newcomer_leases_lost"] += 1
+
+    def budget(self, in_flight_cap: int, prompts_per_lease: int, now: float) -> int:
+        """Prompts all unproven peers may hold together (see the module docstring)."""
+        half = max(prompts_per_lease, in_flight_cap // 2)
+        while self.earned and now - self.earned[0] > EARNED_TTL_S:
+            self.earned.popleft()
+        proven = len(self.pace.ranking(now).proven)  # live proven peers (pace.py: RANK_S_PER_MEMBER)
+        if proven == 0:
+            return half
+        leases = math.ceil(proven / PROVEN_PER_NEWCOMER_LEASE) + len(self.earned)
+        return min(half, prompts_per_lease * leases)
+
+    def room(
+        self,
+        peer_id: str,
+        in_flight_cap: int,
+        prompts_per_lease: int,
+        active: Iterable[LeaseRecord],
+        now: float,
+    ) -> int:
+        """Prompts one more unproven peer, ``peer_id``, may be leased: unproven peers together
+        hold at most ``budget``, so identities that take a lease and never answer, or answer it
+        slowly, cannot starve the proven, working nodes; and the budget is shared by address
+        (IPv4 address, IPv6 /64): the unproven peers of one address hold at most an equal share
+        of it among the addresses whose unproven peers asked within ``ASKING_WINDOW_S`` (at
+        least one lease), so one address's fresh identities cannot keep every newcomer elsewhere
+        waiting, and idle ones shrink no one's share. When the budget has room for fewer leases
+        than the addresses waiting for one (asked within ``TURN_WINDOW_S``, holding none), the
+        address whose last unproven lease is oldest goes first, so a crowd that asks more often
+        does not win every freed slot. ``active``: the lease records. Called for every lease
+        request of an unproven peer that is otherwise ready for work."""
+        budget, book = self.budget(in_flight_cap, prompts_per_lease, now), self.book
+        mine = book.address_of(peer_id)
+        self.asking = {a: t for a, t in self.asking.items() if now - t < ASKING_WINDOW_S}
+        self.granted = {a: t for a, t in self.granted.items() if a in self.asking}
+        self.asking[mine] = now
+        self.last_ask = (peer_id, now)
+        by_address: dict[str, int] = {}
+        for r in active:
+            if not is_proven(book.loads.get(r.peer_id)):
+                a = book.address_of(r.peer_id)
+                by_address[a] = by_address.get(a, 0) + len(r.prompts)
+        free, turn = budget - sum(by_address.values()), self.granted.get(mine, -math.inf)
+        ahead = sum(
+            1
+            for a, t in self.asking.items()
+            if now - t < TURN_WINDOW_S and a not in by_address and self.granted.get(a, -math.inf) < turn
+        )
+        if ahead and free < prompts_per_lease * (ahead + 1):
+            return 0  # not this address's turn
+        share = max(prompts_per_lease, budget // len(self.asking))
+        return min(free, share - by_address.get(mine, 0))
+
+    def grant(self, peer_id: str, now: float) -> None:
+        """An unproven peer was leased: its address's turn was taken now."""
+        self.granted[self.book.address_of(peer_id)] = now
+
+    def asking_now(self, now: float) -> bool:
+        """Whether an unproven peer, otherwise ready for work, asked for a lease within
+        ``ASKING_WINDOW_S`` (``FleetPace.reserved`` then keeps it one lease of room)."""
+        peer_id, at = self.last_ask
+        return now - at < ASKING_WINDOW_S and not is_proven(self.book.loads.get(peer_id))
+
+    def retry_s(self, now: float) -> float:
+        """``retry_after_s`` for a deferred unproven peer: ``UNPROVEN_RETRY_S``, or later when the
+        shared clock's next free slot is later (``UNPROVEN_SLOT_S``; at most ``UNPROVEN_RETRY_MAX_S``)."""
+        self._retry_next = min(max(self._retry_next, now) + UNPROVEN_SLOT_S, now + UNPROVEN_RETRY_MAX_S)
+        return max(UNPROVEN_RETRY_S, self._retry_next - now)
