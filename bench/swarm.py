@@ -241,7 +241,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                 status_s, status_peers = trio.run(read_status, addr, learner)
             except Exception as exc:
                 status_s, status_peers = float("nan"), -1
-                print(f"swarm: status read failed: {exc}", file=sys.stderr, flush=True)
+                while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # trio's nurseries wrap it
+                    exc = exc.exceptions[0]
+                print(f"swarm: status read failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             said = swarm.learner_log.read_text(errors="replace")
             learner_said = {k: said.count(pat) for k, pat in LEARNER_SAID.items()}
             events: list = []

@@ -107,6 +107,18 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "joins refused (peer_limit): the address already holds max_peers_per_ip members",
     ),
     (
+        "newcomer_leases_earned",
+        "echorl_newcomer_leases_earned_total",
+        "counter",
+        "leases added to the newcomer budget by unproven peers' answers in time after their first (for 60 s each)",
+    ),
+    (
+        "newcomer_leases_lost",
+        "echorl_newcomer_leases_lost_total",
+        "counter",
+        "earned newcomer leases taken back: two for each unproven peer's lease answered late or expired",
+    ),
+    (
         "pings",
         "echorl_pings_total",
         "counter",
