@@ -116,7 +116,7 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "newcomer_leases_lost",
         "echorl_newcomer_leases_lost_total",
         "counter",
-        "earned newcomer leases taken back: two for each unproven peer's lease answered late or expired",
+        "earned newcomer leases taken back: two for each lease answered late or expired, by any peer",
     ),
     (
         "pings",

@@ -273,8 +273,7 @@ class Admission:
         fair, in_row = self.pace.expected_s(groups), load.on_time_in_row
         if 0 < late_after_s < seconds:
             self.leases_late += 1
-            if not is_proven(load):
-                self.newcomers.walked()
+            self.newcomers.walked()
             load.late(groups, seconds, now, pol.expiry_backoff_s, pol.expiry_backoff_max_s)
         else:
             if not is_proven(load):
@@ -287,8 +286,7 @@ class Admission:
     def on_expired(self, peer_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         pol, load = self.policy, self.load(peer_id)
-        if not is_proven(load):
-            self.newcomers.walked()
+        self.newcomers.walked()
         load.expired(now, pol.expiry_backoff_s, pol.expiry_backoff_max_s)
         self.pace.changed()
 

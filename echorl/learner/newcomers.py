@@ -8,8 +8,7 @@ Until then it holds one lease, and all unproven peers together hold at most the 
 - half of the in-flight budget while no live peer is proven (someone must start);
 - then one lease per ``PROVEN_PER_NEWCOMER_LEASE`` live proven peers, plus one lease for each
   lease a newcomer answered in time *after its first* within ``EARNED_TTL_S`` (``earned``), less
-  ``LATE_COST`` for each lease an unproven peer answered late or let expire; never more than the
-  half.
+  ``LATE_COST`` for each lease anyone answered late or let expire; never more than the half.
 
 The earned part is what lets a thousand honest newcomers in (issue 27): with a lease per four proven
 peers alone, the proven count grew by a quarter of itself every three lease times, and at 1,000
@@ -17,8 +16,9 @@ peers whose leases take 10 s most were still waiting for their first lease minut
 joined. A newcomer's second and third answers in time each earn one more lease for newcomers, so the
 budget doubles about every lease and a half while they answer. A slow-walker earns nothing: its
 opening answer is fast but earns no lease (one fast answer proves nothing), its second is late and
-takes ``LATE_COST`` leases back; identities can spend what honest newcomers earned, for at most
-``EARNED_TTL_S``, never more than they lose by walking.
+takes ``LATE_COST`` leases back; a proven peer that walks one lease in four, re-proving itself in
+between, earns two and loses two. Identities can spend what honest newcomers earned, for at most
+``EARNED_TTL_S``.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ EARNED_TTL_S = 60.0
 times of an honest fleet (the budget keeps what the answering newcomers hold), and what a crowd
 arriving after the newcomers proved themselves can spend at most."""
 LATE_COST = 2
-"""Earned leases taken back for each lease an unproven peer answers late or lets expire: more than
-a newcomer's answer earns, so identities that take leases and walk them lose the budget faster
-than any of them could earn it."""
+"""Earned leases taken back for each lease answered late or let expire, by anyone: more than an
+answer earns, so identities that take leases and walk them lose the budget faster than any of them
+could earn it, and a proven peer that walks a lease now and then and proves itself again in
+between (its second and third answers earn) gains nothing for its accomplices."""
 
 
 class Newcomers:
@@ -91,7 +92,7 @@ class Newcomers:
             self.counters["newcomer_leases_earned"] += 1
 
     def walked(self) -> None:
-        """An unproven peer answered a lease late or let it expire: ``LATE_COST`` earned leases go."""
+        """A peer answered a lease late or let it expire: ``LATE_COST`` earned leases go."""
         for _ in range(min(LATE_COST, len(self.earned))):
             self.earned.pop()  # the newest: the rest would expire sooner anyway
             self.counters["newcomer_leases_lost"] += 1

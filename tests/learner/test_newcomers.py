@@ -67,10 +67,14 @@ def test_a_late_or_expired_newcomer_lease_takes_earned_leases_back() -> None:
     adm.on_expired("p6", now=now)
     assert len(adm.newcomers.earned) == 3 - LATE_COST
     assert adm.metrics()["newcomer_leases_lost"] == LATE_COST  # the walkers' late leases found none to take
-    # a proven peer that walks a lease spends no newcomer's leases
-    adm.newcomers.answered(1, now)
-    _answer(adm, "p0", now, late=True)
-    assert len(adm.newcomers.earned) == 2
+    # a proven peer that walks every fourth lease, proving itself again in between, earns its
+    # accomplices no more than one cycle's two leases, however many times it does it
+    adm.newcomers.earned.clear()
+    for _ in range(5):
+        _answer(adm, "p0", now, late=True)
+        for _ in range(3):
+            _answer(adm, "p0", now)
+        assert adm.trusted("p0") and len(adm.newcomers.earned) == 2
 
 
 def test_the_budget_grows_as_newcomers_prove_themselves_and_stops_at_half() -> None:
