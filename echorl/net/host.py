@@ -298,7 +298,7 @@ class Host:
         except trio.TooSlowError:
             raise PeerUnavailable(f"open {protocol} to {short_id(peer_id)}: timed out") from None
         except Exception as exc:
-            raise PeerUnavailable(f"open {protocol} to {short_id(peer_id)}: {type(exc).__name__}: {exc}") from None
+            raise PeerUnavailable(f"open {protocol} to {short_id(peer_id)}: {_chain(exc)}") from None
         return stream, False
 
     async def _give_back(self, peer_id: str, protocol: str, stream: Any) -> None:
@@ -380,6 +380,17 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
         cache._ttl = NEGATIVE_CACHE_S
     async with lp_host.run(listen_addrs=[listen]):
         yield host
+
+
+def _chain(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` and of what it was raised from (py-libp2p's ``StreamFailure``
+    names no reason; its cause — a negotiation timeout, a reset, a refused stream — does)."""
+    parts, seen = [], 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 3:
+        parts.append(f"{type(cur).__name__}: {cur}".rstrip(": "))
+        cur, seen = cur.__cause__, seen + 1
+    return " <- ".join(parts)
 
 
 def _closed(stream: Any) -> bool:

@@ -216,15 +216,17 @@ def test_config_defaults_quoted_in_the_doc_are_the_code_s() -> None:
 
 def test_the_lease_limits_are_the_code_s() -> None:
     """§4.2 "Lease limits": each factor and window is the constant ``learner/pace.py`` or
-    ``learner/admission.py`` holds."""
-    from echorl.learner import admission, pace
+    ``learner/newcomers.py`` holds."""
+    from echorl.learner import newcomers, pace
     from echorl.learner.config import LearnerConfig
 
     text = _section("**Lease limits**", "When the run is over")
     ws = r"\s+"
     expected = {
         rf"once{ws}its{ws}last{ws}(\d+){ws}leases": pace.PROVEN_LEASES,
-        rf"within{ws}the{ws}last{ws}(\d+){ws}s": admission.ASKING_WINDOW_S,
+        rf"within{ws}the{ws}last{ws}(\d+){ws}s": newcomers.ASKING_WINDOW_S,
+        rf"after{ws}its{ws}first,{ws}each{ws}for{ws}(\d+){ws}s": newcomers.EARNED_TTL_S,
+        rf"less{ws}(\d+){ws}for{ws}each{ws}lease{ws}answered": newcomers.LATE_COST,
         rf"`deadline_s`{ws}is{ws}([\d.]+){ws}×": pace.DEADLINE_FACTOR,
         rf"at{ws}most{ws}([\d.]+){ws}×{ws}`lease_timeout_s`": pace.MAX_DEADLINE_BASES,
         rf"before{ws}anyone{ws}is{ws}measured,{ws}([\d.]+){ws}×": pace.DEADLINE_FACTOR,
