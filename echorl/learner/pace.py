@@ -156,12 +156,12 @@ class FleetPace:
         members = self.book.active(now=now)
         for p in members:
             load, key = self._load(p.peer_id), p.ip_key or p.peer_id
-            rate = load.recent_per_s
-            if is_proven(load):
+            rate, sure = load.recent_per_s, is_proven(load)
+            if sure:
                 proven.append((rate, p.peer_id))
             if rate > 0:
                 best[key] = max(best.get(key, 0.0), rate)
-                if is_proven(load):
+                if sure:
                     proven_best[key] = max(proven_best.get(key, 0.0), rate)
         rates = proven_best or best
         proven.sort(reverse=True)
