@@ -12,7 +12,10 @@ whose ticket proof must arrive within the same deadline).
 
 py-libp2p 0.8.1 also ships ``libp2p/rcmgr`` (a resource manager with per-IP limits), but its
 inbound admission "fails open" on any internal error and its limits are process-wide defaults
-tuned for DHT crawls; this guard is twenty lines whose limits are ours and tested.
+tuned for DHT crawls; this guard is twenty lines whose limits are ours and tested. What this
+module keeps of py-libp2p's own caps sits above the guard's: ``resource_manager``, the peer store
+(``PinnedPeerStore``: sized by the connection bound, the host's own key never evicted), no pruner,
+no auto-dialer.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStore
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +265,33 @@ def resource_manager(limits: ConnectionLimits) -> Any:
             max_established_total=most,
         ),
     )
+
+
+#: peers a host's peer store keeps per connection it may hold: py-libp2p's store keeps 1,000 and
+#: past that evicts entries without addresses first, the host's own key among them
+PEERS_KEPT_PER_CONNECTION = 2
+
+
+class PinnedPeerStore(PeerStore):
+    """py-libp2p's peer store sized above ``limits`` and never evicting the host itself.
+
+    py-libp2p's ``PeerStore`` evicts past 1,000 peers, entries without addresses first; the host's
+    own entry (its key pair, no address) went first, and the next identify request raised
+    ``PeerStoreError`` out of the connection's nursery and ended the host: a learner holding
+    1,000 peers exited on the first status read (bench/swarm.py)."""
+
+    def __init__(self, own: ID, limits: ConnectionLimits) -> None:
+        most = PEERS_KEPT_PER_CONNECTION * limits.max_connections
+        super().__init__(max_records=most, max_peers=most)
+        self._own = own
+
+    def _enforce_peer_limit(self) -> None:
+        own = self.peer_data_map.pop(self._own, None)
+        try:
+            super()._enforce_peer_limit()
+        finally:
+            if own is not None:
+                self.peer_data_map[self._own] = own
 
 
 def no_auto_dial(swarm: Any) -> None:

@@ -45,6 +45,7 @@ from echorl.net.framing import (
 from echorl.net.guard import (
     ConnectionGuard,
     ConnectionLimits,
+    PinnedPeerStore,
     RefusalStrikes,
     guard_libp2p_inbound,
     no_auto_dial,
@@ -93,6 +94,12 @@ class HostConfig:
     pool_idle_s: float = 20.0  # pooled client streams older than this are not reused
     max_streams_per_peer: int = 16  # concurrent inbound streams per peer
     handshake_timeout_s: float = 5.0  # an inbound connection's security + muxer handshake
+    #: opening a stream, either side: multistream negotiation of its protocol. py-libp2p's own
+    #: 10 s undercut ``request_timeout_s``: a learner holding 1,000 peers on a saturated core is
+    #: seconds late on each of a new connection's turns (Noise, identify, negotiation), and a
+    #: status read there failed at py-libp2p's 10 s with 20 s of echorl's deadline left
+    #: (bench/swarm.py). A stream that never negotiates still ends at this bound.
+    negotiate_timeout_s: float = 30.0
     connection_limits: ConnectionLimits = ConnectionLimits()  # inbound connections per address / in all
 
 
@@ -358,13 +365,17 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
         min_connections=0,
         low_watermark=0,
         inbound_upgrade_timeout=config.handshake_timeout_s,
+        outbound_stream_protocol_negotiation_timeout=config.negotiate_timeout_s,
+        inbound_stream_protocol_negotiation_timeout=config.negotiate_timeout_s,
     )
     listen = multiaddr.Multiaddr(config.listen)
+    key_pair = create_new_key_pair(identity.seed)
     lp_host = new_host(
-        key_pair=create_new_key_pair(identity.seed),
+        key_pair=key_pair,
         listen_addrs=[listen],
         connection_config=conn_cfg,
         resource_manager=resource_manager(config.connection_limits),  # net/guard.py: above ours
+        peerstore_opt=PinnedPeerStore(ID.from_pubkey(key_pair.public_key), config.connection_limits),
     )
     if str(lp_host.get_id()) != identity.peer_id:
         raise RuntimeError("libp2p peer id differs from the protocol identity")

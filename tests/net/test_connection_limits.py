@@ -4,13 +4,23 @@ open-file limit are sized above 1,000 connections, and a guard still refuses pas
 
 from __future__ import annotations
 
+import os
 import resource
 
 import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
-from echorl.net.guard import FD_SPARE, ConnectionGuard, ConnectionLimits, raise_fd_limit
+from echorl.net.guard import FD_SPARE, PEERS_KEPT_PER_CONNECTION, ConnectionGuard, ConnectionLimits, raise_fd_limit
 from echorl.net.host import HostConfig, open_host
 from echorl.protocol.identity import Identity
+from echorl.protocol.messages import Status, StatusRequest
+
+P = "/echorl/test/1"
+
+
+async def _status(msg, ctx):
+    return Status(run_id="r", learner={"peer": ctx.peer_id[:8]}, peers=[])
 
 
 def test_the_default_guard_admits_a_thousand_peers_each_from_its_own_address() -> None:
@@ -91,3 +101,35 @@ def test_a_host_never_dials_the_peers_it_knows_by_itself() -> None:
             return host.is_connected(other.peer_id), other.is_connected(host.peer_id)
 
     assert trio.run(main) == (False, False)
+
+
+def _seen(host, count: int) -> None:
+    """``count`` peers with an address in ``host``'s peer store, as identify and the DHT add them."""
+    store = host.libp2p.get_peerstore()
+    addr = Multiaddr("/ip4/127.0.0.1/tcp/9")
+    for _ in range(count):
+        store.add_addrs(ID(os.urandom(34)), [addr], 3600)
+
+
+def test_a_host_that_has_seen_thousands_of_peers_still_answers_a_new_one() -> None:
+    """py-libp2p's peer store keeps 1,000 peers and evicts entries without addresses first: the
+    host's own key went, and the next identify raised out of its connection and ended the host (a
+    learner holding 1,000 peers exited on the first status read, bench/swarm.py). Past the
+    default, and past a small host's own bound, a new peer's identify and request are answered."""
+
+    async def main(limits: ConnectionLimits, count: int) -> tuple[int, int]:
+        config = HostConfig(connection_limits=limits)
+        async with open_host(Identity.generate(), config) as host, open_host(Identity.generate()) as new:
+            host.route(P, _status, request=StatusRequest)
+            _seen(host, count)
+            await new.connect(host.addrs[0])
+            reply = await new.request(host.peer_id, P, StatusRequest(), expect=Status, timeout=10)
+            assert reply.learner["peer"] == new.peer_id[:8]
+            assert host.libp2p.get_public_key() is not None
+            return len(host.libp2p.get_peerstore().peer_ids()), limits.max_connections
+
+    kept, _ = trio.run(main, ConnectionLimits(), 1500)
+    assert kept > 1500  # the default host keeps every peer it has seen up to 2 per connection
+    small = ConnectionLimits(max_total=100)
+    kept, most = trio.run(main, small, 3 * PEERS_KEPT_PER_CONNECTION * small.max_connections)
+    assert kept <= PEERS_KEPT_PER_CONNECTION * most + 2  # bounded; the host itself kept

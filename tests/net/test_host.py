@@ -285,3 +285,34 @@ def test_noted_addresses_reach_the_peerstore_at_the_first_dial_only():
                 await a.ping(b.peer_id, timeout=5.0)
 
     trio.run(main)
+
+
+def test_a_stream_open_is_bounded_by_our_deadline_not_by_py_libp2ps_ten_seconds():
+    """A loaded learner is seconds late on each turn of a new stream's negotiation; py-libp2p's
+    own 10 s (either side) failed every status read at 1,000 peers with echorl's deadline far off.
+    Here the server's first negotiation read is 11 s late, inside its negotiation timer."""
+    late_s = 11.0
+
+    async def body(srv, cli):
+        mux = srv.libp2p.multiselect
+        negotiate = mux.negotiate
+
+        async def late_negotiate(communicator, timeout):
+            read = communicator.read
+
+            async def late_read():
+                communicator.read = read
+                await trio.sleep(late_s)
+                return await read()
+
+            communicator.read = late_read
+            return await negotiate(communicator, timeout)
+
+        mux.negotiate = late_negotiate
+        srv.route("/echorl/late/1", _status, request=StatusRequest)
+        t = time.perf_counter()
+        reply = await cli.request(srv.peer_id, "/echorl/late/1", StatusRequest(), expect=Status, timeout=25)
+        assert reply.learner["peer"] == cli.peer_id[:8]
+        assert late_s <= time.perf_counter() - t < 25
+
+    run_pair(body)
