@@ -15,7 +15,8 @@ inbound admission "fails open" on any internal error and its limits are process-
 tuned for DHT crawls; this guard is twenty lines whose limits are ours and tested. What this
 module keeps of py-libp2p's own caps sits above the guard's: ``resource_manager``, the peer store
 (``PinnedPeerStore``: sized by the connection bound, the host's own key never evicted), no pruner,
-no auto-dialer.
+no auto-dialer, and an error in one of py-libp2p's own stream handlers ends that stream, not the
+host (``contain_stream_errors``).
 """
 
 from __future__ import annotations
@@ -292,6 +293,27 @@ class PinnedPeerStore(PeerStore):
         finally:
             if own is not None:
                 self.peer_data_map[self._own] = own
+
+
+def contain_stream_errors(swarm: Any) -> None:
+    """An exception raised while py-libp2p serves one inbound stream (its own handlers: identify,
+    ping, negotiation) ends that stream, not the host: raised, it left the connection's nursery
+    and the swarm's, and a learner exited (the peer store's ``PeerStoreError`` above). echorl's
+    handlers have their own guard (``net/serving.py``); this one is for py-libp2p's."""
+    inner = swarm.common_stream_handler
+
+    async def contained(stream: Any) -> None:
+        try:
+            await inner(stream)
+        except Exception as exc:  # trio's Cancelled is a BaseException and passes through
+            proto = getattr(stream, "get_protocol", lambda: None)()
+            log.warning("an inbound %s stream failed inside py-libp2p: %s: %s", proto, type(exc).__name__, exc)
+            try:
+                await stream.reset()
+            except Exception:
+                pass
+
+    swarm.set_stream_handler(contained)
 
 
 def no_auto_dial(swarm: Any) -> None:

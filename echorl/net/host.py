@@ -47,6 +47,7 @@ from echorl.net.guard import (
     ConnectionLimits,
     PinnedPeerStore,
     RefusalStrikes,
+    contain_stream_errors,
     guard_libp2p_inbound,
     no_auto_dial,
     no_pruning,
@@ -383,6 +384,7 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
     guard_libp2p_inbound(lp_host.get_network(), host.guard)  # net/guard.py
     no_pruning(lp_host.get_network())  # net/guard.py: its pruner would close joined peers past 300
     no_auto_dial(lp_host.get_network())  # net/guard.py: it dialled every known peer toward 150
+    contain_stream_errors(lp_host.get_network())  # net/guard.py: one failed stream, not the host
     cache = getattr(lp_host.get_network(), "_negative_peer_cache", None)
     if cache is not None and hasattr(cache, "_ttl"):
         # py-libp2p refuses every dial to a peer for 60 s after one failed: one early failure

@@ -7,9 +7,10 @@ import time
 
 import pytest
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from echorl.net.framing import read_frame
+from echorl.net.framing import STREAM_ERRORS, read_frame
 from echorl.net.host import HostConfig, PeerUnavailable, RemoteError, open_host
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.protocol import wire
@@ -94,6 +95,26 @@ def test_raising_handler_does_not_take_host_down():
             assert info.value.code == ErrorCode.INTERNAL
         await assert_alive(srv, cli)
         assert srv.stats.handler_failures == 3
+
+    run_pair(body)
+
+
+def test_a_raising_libp2p_handler_ends_its_stream_not_the_host():
+    """py-libp2p's own handlers run outside echorl's guard; one that raised (identify, after the
+    peer store lost the host's key) ended the whole host. Now it ends its stream."""
+
+    async def boom(stream):
+        raise RuntimeError("py-libp2p handler bug")
+
+    async def body(srv, cli):
+        srv.libp2p.set_stream_handler(TProtocol("/ipfs/id/1.0.0"), boom)
+        for _ in range(3):
+            async with open_host(Identity.generate()) as new:
+                await new.connect(srv.addrs[0])  # its identify request meets ``boom``
+                stream = await new.libp2p.new_stream(ID.from_base58(srv.peer_id), [TProtocol("/ipfs/id/1.0.0")])
+                with pytest.raises(STREAM_ERRORS):  # reset
+                    await stream.read(1)
+        await assert_alive(srv, cli)
 
     run_pair(body)
 
