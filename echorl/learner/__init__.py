@@ -21,6 +21,9 @@ handlers) over components that each own one thing:
 - ``ledger.py``: ``Ledger`` (signed receipts, rejections by reason, cost);
 - ``liveness.py``: ``Liveness`` (pings quiet members; one that does not answer is lost) and
   ``LoopLag`` (how late the trio loop runs: a ping timed out while it was late is excused).
+- ``upkeep.py``: ``Upkeep`` (the maintenance loop: overdue leases expire, idle members dropped,
+  refused joiners' connections closed, the liveness sweep, activation re-decided; a lost member's
+  leases expire at once).
 
 Beside the service: ``train.py`` (``NetworkSource``: the loop's rollout source; ``Provisioning``:
 the required throughput of architecture §7), ``publish.py`` (``Publisher``: broadcasting a version

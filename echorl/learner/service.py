@@ -1,4 +1,4 @@
-"""The learner's network handlers: join, lease, submit, return, status, and the liveness sweep.
+"""The learner's network handlers: join, lease, submit, return and status.
 
 ``LearnerService`` wires components that each own one thing and hands them what they need
 through their constructors (no component writes another's fields):
@@ -11,7 +11,9 @@ through their constructors (no component writes another's fields):
 - ``roster`` (``learner/roster.py``): per-IP join slots, broadcast plans, idle members;
 - ``activator`` (``learner/activation.py``): cost-aware activation (standby nodes: ``lease_deferred``);
 - ``members`` (``learner/membership.py``): one live process per key, dial-back, the run's end;
-- ``ledger`` (``learner/ledger.py``): signed receipts, rejections by reason, cost.
+- ``ledger`` (``learner/ledger.py``): signed receipts, rejections by reason, cost;
+- ``upkeep`` (``learner/upkeep.py``): the maintenance loop (lease expiry, idle members, liveness
+  pings, activation).
 
 Each component reads its section of the one settings object (``ServiceFields``) and reports its
 figures through ``metrics()`` (the status reply and the metrics row); every staleness rule is the
@@ -35,12 +37,12 @@ from echorl.learner.checks import STALE, Submission, SubmitChecks
 from echorl.learner.config import ServiceFields
 from echorl.learner.leases import LeaseBook, LeaseRecord
 from echorl.learner.ledger import Ledger, carries_signal, count_tokens
-from echorl.learner.liveness import Liveness
 from echorl.learner.membership import Members
 from echorl.learner.peers import ACTIVE_WINDOW_S, PeerBook, PeerRecord
 from echorl.learner.policing import Police
 from echorl.learner.resume import decode_service_state, encode_service_state
 from echorl.learner.roster import Roster
+from echorl.learner.upkeep import Upkeep
 from echorl.net.host import Host, RequestContext
 from echorl.protocol import limits, routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
@@ -120,8 +122,10 @@ class LearnerService:
         self.leases = LeaseBook()
         self.admission = Admission(self.peers, settings, held_versions=self.rule.held_versions())
         self.roster = Roster(self.peers, settings)
-        self.liveness = Liveness(self.peers, settings, self._lost)
         self.activator = Activator(self.peers, settings, required)
+        self.upkeep = Upkeep(
+            self.peers, self.leases, self.admission, self.roster, self.activator, buffer, settings, lambda: self.version
+        )
         self.members = Members(identity, run_id)
         self.ledger = Ledger(
             identity, run_id, self.peers, price_per_hour=settings.price_per_hour, learner_rate=learner_rate
@@ -156,7 +160,7 @@ class LearnerService:
         """Every count of refusals and work: the checks', the police's, the admission's, the liveness
         sweep's, and the accepted submissions."""
         parts = (self.checks.metrics(), self.submissions, self.admission.metrics(), self.police.counters)
-        return {k: v for part in (*parts, self.liveness.counters) for k, v in part.items()}
+        return {k: v for part in (*parts, self.upkeep.liveness.counters) for k, v in part.items()}
 
     def note_published(self, version: int, weights_bytes: int = 0) -> None:
         """A version is held for the fetch fallback and being broadcast: nodes may ask for it.
@@ -234,10 +238,6 @@ class LearnerService:
     def _refuse(self, rec: LeaseRecord, nonce: bytes, how: str) -> None:
         """Settle a lease as refused and re-queue its prompts, if it is still open."""
         if self.leases.refuse(rec, nonce, how):
-            self.buffer.requeue(rec.prompts)
-
-    def _requeue(self, gone: list[LeaseRecord]) -> None:
-        for rec in gone:
             self.buffer.requeue(rec.prompts)
 
     # --- handlers -----------------------------------------------------------------------------
@@ -396,7 +396,7 @@ class LearnerService:
     def _forget_struck(self, peer_id: str, why: str) -> None:
         """Struck off: its leases re-queued, its membership forgotten (later bodies unread)."""
         log.warning("%s: %s: struck off", short_id(peer_id), why)
-        self._requeue(self.leases.expire_peer(peer_id))
+        self.upkeep.requeue(self.leases.expire_peer(peer_id))
         self.peers.forget(peer_id)
 
     def _batch_room(self, peer_id: str) -> int:
@@ -406,7 +406,7 @@ class LearnerService:
         assert isinstance(msg, LeaseReturn)
         self.peers.touch(ctx.peer_id)
         returned = self.leases.return_leases(ctx.peer_id, list(msg.lease_ids))
-        self._requeue(returned)
+        self.upkeep.requeue(returned)
         return LeaseReturn(run_id=self.run_id, lease_ids=[r.lease_id for r in returned])
 
     async def on_status(self, msg: Message, ctx: RequestContext) -> Message:
@@ -470,51 +470,7 @@ class LearnerService:
         """The joined nodes a version is broadcast to (``Roster.broadcast_nodes``)."""
         return self.roster.broadcast_nodes(self.peers.active(window_s))
 
-    # --- maintenance --------------------------------------------------------------------------
+    # --- maintenance (learner/upkeep.py) -------------------------------------------------------
     async def maintain(self, interval_s: float = 0.5) -> None:
-        """Forever: expire overdue leases; ping every live peer not heard from lately and, if it
-        does not answer, expire its leases at once and drop it from broadcast plans (a SIGKILLed
-        or frozen node is noticed in seconds, not at the lease deadline);
-        with cost-aware activation, re-decide the active set every ``activation_interval_s``. A ping
-        that timed out while this loop ran late is excused (``learner/liveness.py``)."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.liveness.lag.run)
-            await self._maintain(interval_s)
-
-    async def _maintain(self, interval_s: float) -> None:
-        while True:
-            self.admission.pace.note_version(self.version, time.monotonic())
-            if self.activator.due(time.monotonic()):
-                self.activator.reactivate()
-            for rec in self.leases.expire_due(time.monotonic()):
-                log.debug("lease %s of %s expired", rec.lease_id, short_id(rec.peer_id))
-                self.buffer.requeue(rec.prompts)
-                self.admission.on_expired(rec.peer_id)
-            self._drop_idle()
-            await self._close_refused()
-            if self.host is not None:
-                await self.liveness.sweep(self.host, time.monotonic())
-            await trio.sleep(interval_s)
-
-    def _drop_idle(self) -> None:
-        """Forget members that never worked and joined long ago or stopped answering."""
-        busy = {r.peer_id for r in self.leases.active.values()}
-        busy |= {p for p in self.peers if self.activator.is_standby(p)}
-        self.roster.drop_idle(busy)
-
-    async def _close_refused(self) -> None:
-        """Close the connections of joiners the roster refused (after their answer went out)."""
-        refused = self.roster.take_refused()
-        if refused and self.host is not None:
-            async with trio.open_nursery() as nursery:
-                for pid in refused:
-                    if pid not in self.peers:
-                        nursery.start_soon(self.host.disconnect, pid)
-
-    def _lost(self, peer_id: str, why: str) -> None:
-        """A member that did not answer its ping: its leases expire at once, it leaves plans."""
-        gone = self.leases.expire_peer(peer_id)
-        self._requeue(gone)
-        if self.peers.mark_dead(peer_id):
-            log.warning("peer %s unresponsive (%s): %d leases expired", short_id(peer_id), why, len(gone))
-            self.activator.lost(peer_id)
+        """Forever: lease expiry, idle members, liveness pings, activation (``Upkeep``)."""
+        await self.upkeep.run(self.host, interval_s)
