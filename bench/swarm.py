@@ -35,7 +35,8 @@ CPU over the window, from /proc, per accepted submission), ``learner_cpu_share``
 ``learner_idle_cpu_share``, measured for ``--idle-s`` before the peers start: at N=10 the fixed
 background is most of the figure), ``learner_rss_mb``, ``status_ms`` (every page of a ``Status``
 read), ``peers_cpu_share``, ``errors`` (by kind), ``learner_said`` (learner log lines over the run:
-``peers_lost`` after a failed ping, ``peers_struck``), and, from the N=10 run of the same invocation,
+``peers_lost`` after a failed ping, ``peers_struck``), ``learner_exited`` (its exit code if it died
+during the run, with its last error line on stderr; null: running), and, from the N=10 run of the same invocation,
 ``*_vs_10`` ratios. ``loadavg`` is recorded: the
 2-core machine is shared (the peers' own processes run on the same cores as the learner).
 """
@@ -246,6 +247,14 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                 print(f"swarm: status read failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             said = swarm.learner_log.read_text(errors="replace")
             learner_said = {k: said.count(pat) for k, pat in LEARNER_SAID.items()}
+            exited = swarm.learner.poll()  # a learner that died mid-run is named, not inferred
+            if exited is not None:
+                lines = [line.strip(" |+-") for line in said.splitlines()]  # a traceback's group borders
+                errs = [x for x in lines if "Error" in x or "Exception" in x] if exited else []
+                last = errs[-1:] or [x for x in lines if x][-1:]
+                last = last or ["(no log)"]
+                say = f"swarm: the learner exited (code {exited}): {last[0]}"
+                print(say, file=sys.stderr, flush=True)
             events: list = []
             for w in workers:
                 w.stdin.close()
@@ -293,6 +302,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         "status_peers": status_peers,
         "errors": dict(errors),
         "learner_said": learner_said,
+        "learner_exited": exited,  # None: still running when the run was measured
         "loadavg": [round(x, 2) for x in load0],
     }
 
