@@ -36,11 +36,6 @@ from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce, PlanMember, 
 from echorl.protocol.plan import BroadcastPlan, PlanPeer, Stripe, plan_broadcast
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-#: a chunk write this small runs on the loop: a page-cache pwrite of 64 KiB takes tens of
-#: microseconds, the hop to a worker thread and back cost more (11 % of all relay samples in
-#: the 32-peer bench, docs/broadcast-notes.md); larger chunks (versions of 100s of MB, where the
-#: kernel may throttle dirty pages) still go to a thread
-INLINE_WRITE_BYTES = 64 * 1024
 _OURS = re.compile(r"^v\d+-\d+\.(payload|safetensors)$")
 _TMP_STORE = re.compile(r"^echorl-store-(\d+)-")
 STALE_TMP_STORE_S = 600.0  # a dead process's temporary store is removed once untouched this long
@@ -243,10 +238,7 @@ class VersionState:
             for i in idx:
                 write_at(self.path, self.offset(i), data)
 
-        if len(data) * len(idx) <= INLINE_WRITE_BYTES:
-            write()
-        else:
-            await trio.to_thread.run_sync(write)
+        await trio.to_thread.run_sync(write)
         if self.have[idx[0]]:
             return False
         if body is None or not body.endswith(data):

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
-from plans import announce, share_a_plan
+from plans import share_a_plan
 from swarm import safetensors_f32
 
 from echorl.broadcast.broadcaster import Broadcaster
 from echorl.broadcast.relay import Relay
-from echorl.broadcast.store import INLINE_WRITE_BYTES, HeldChain, VersionState, WeightStore
+from echorl.broadcast.store import HeldChain
 from echorl.net.host import open_host
 from echorl.protocol import delta, snapshot
 from echorl.protocol.identity import Identity
@@ -183,32 +183,3 @@ def test_a_dead_process_s_temporary_store_is_removed_a_live_or_recent_one_kept(t
     assert remove_stale_tmp_stores(tmp_path) == [made["dead-old"]]
     assert not made["dead-old"].exists()
     assert made["dead-recent"].exists() and made["live-old"].exists() and other.exists()
-
-
-@pytest.mark.parametrize("chunk_bytes", [INLINE_WRITE_BYTES, 4 * INLINE_WRITE_BYTES])
-def test_a_small_chunk_is_written_on_the_loop_a_large_one_in_a_thread(chunk_bytes, monkeypatch) -> None:
-    """The hop to a worker thread cost more than a 64 KiB page-cache write (11 % of the relays'
-    samples in the 32-peer bench); a large chunk still leaves the loop. Either way the file holds
-    the version."""
-    learner = Identity.generate()
-    data = safetensors_f32(np.arange(chunk_bytes, dtype=np.float32))  # 4 chunks and a bit
-    me = Identity.generate().peer_id
-    state = VersionState(announce(learner, data, [me], chunk_bytes=chunk_bytes), me, WeightStore())
-    hops: list[str] = []
-    run_sync = trio.to_thread.run_sync
-
-    async def counted(fn, *args, **kw):
-        hops.append(fn.__name__)
-        return await run_sync(fn, *args, **kw)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
-
-    async def main() -> None:
-        for i, ref in enumerate(state.manifest.chunks):
-            part = data[state.offset(i) : state.offset(i) + ref.size]
-            assert await state.put(ref.digest, part)
-
-    trio.run(main)
-    assert state.path.read_bytes() == data
-    threaded = sum(ref.size > INLINE_WRITE_BYTES for ref in state.manifest.chunks)  # the tail chunk is small
-    assert hops.count("write") == threaded == (0 if chunk_bytes <= INLINE_WRITE_BYTES else 4)
