@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -342,21 +341,6 @@ class Host:
 NEGATIVE_CACHE_S = 2.0  # how long py-libp2p refuses redials of a peer after a failed dial
 
 
-#: py-libp2p's yamux tuning, read from the environment at each read (``PY_YAMUX_*``): by default
-#: every read of a stream sends a window-update frame back (``RELEASE_ON_READ``), a message read
-#: in several reads several; off, about one per message is left (its hysteresis still tops the
-#: window up after each message: 84 updates instead of 240 for 40 request/replies,
-#: tests/net/test_host.py). At 1,000 peers the learner's CPU a submission fell 9.06 -> 8.09 ms and
-#: a bulk stream's CPU 5-24 % at the same speed (docs/network-notes.md). A value set in the
-#: environment stands.
-YAMUX_ENV = {"PY_YAMUX_RELEASE_ON_READ": "0"}
-
-
-def _tune_yamux() -> None:
-    for name, value in YAMUX_ENV.items():
-        os.environ.setdefault(name, value)
-
-
 def _quiet_libp2p_logs() -> None:
     for name in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -368,7 +352,6 @@ async def open_host(identity: Identity, config: HostConfig | None = None) -> Asy
     ``config.listen``; stopped when the block exits."""
     config = config or HostConfig()
     _quiet_libp2p_logs()
-    _tune_yamux()
     # one connection per peer: the dialer stops waiting as soon as the first dial succeeds;
     # no auto-connector dialing toward a connection target (our topology is explicit: the
     # watermarks alone do not stop it, see ``no_auto_dial``).

@@ -337,29 +337,3 @@ def test_a_stream_open_is_bounded_by_our_deadline_not_by_py_libp2ps_ten_seconds(
         assert late_s <= time.perf_counter() - t < 25
 
     run_pair(body)
-
-
-def test_small_requests_on_a_pooled_stream_send_no_window_update_each():
-    """py-libp2p's yamux answered every read with a window-update frame by default (a message
-    read in several reads, several: 240 for 40 request/replies, both ends); now about one per
-    message is left."""
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream
-
-    updates: list[int] = []
-    send = YamuxStream.send_window_update
-
-    async def counted(self, increment, skip_lock=False):
-        updates.append(increment)
-        return await send(self, increment, skip_lock)
-
-    async def body(srv, cli):
-        await assert_alive(srv, cli)
-        YamuxStream.send_window_update = counted
-        try:
-            for _ in range(40):
-                await assert_alive(srv, cli)
-        finally:
-            YamuxStream.send_window_update = send
-        assert len(updates) <= 2 * 40 + 10, len(updates)  # a request and its reply: one each
-
-    run_pair(body)
