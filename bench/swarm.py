@@ -251,8 +251,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             if exited is not None:
                 lines = [line.strip(" |+-") for line in said.splitlines()]  # a traceback's group borders
                 errs = [x for x in lines if "Error" in x or "Exception" in x] if exited else []
-                last = errs[-1:] or [x for x in lines if x][-1:]
-                last = last or ["(no log)"]
+                last = errs[-1:] or [x for x in lines if x][-1:] or ["(no log)"]
                 say = f"swarm: the learner exited (code {exited}): {last[0]}"
                 print(say, file=sys.stderr, flush=True)
             events: list = []

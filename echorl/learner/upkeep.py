@@ -66,9 +66,10 @@ class Upkeep:
         self.admission.pace.note_version(self._version(), now)
         if self.activator.due(now):
             self.activator.reactivate()
-        for rec in self.leases.expire_due(now):
+        expired = self.leases.expire_due(now)
+        self.requeue(expired)
+        for rec in expired:
             log.debug("lease %s of %s expired", rec.lease_id, short_id(rec.peer_id))
-            self.buffer.requeue(rec.prompts)
             self.admission.on_expired(rec.peer_id)
         self._drop_idle()
         if host is not None:
