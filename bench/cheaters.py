@@ -42,6 +42,8 @@ import copy
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,29 +58,68 @@ CURVE = (1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.3)
 
 
 class Lab:
-    """The policy, the learner's checker, and the nodes of every kind."""
+    """The policy, the learner's checker, and the nodes of every kind.
 
-    def __init__(self, prompts: int, seed: int) -> None:
-        import torch
+    ``model``: an HF directory (default: the shipped default model on 2-digit addition; with a
+    model, ``task`` in its chat template). The checker (the learner's float32 replay) runs on
+    ``checker_device``; the honest engines (``fp32``, ``tf32``, ``bf16``) on ``node_device``, so
+    a GPU node is checked by a CPU or a GPU learner exactly as in a run."""
 
+    def __init__(
+        self,
+        prompts: int,
+        seed: int,
+        model: str | None = None,
+        task: str = "addition",
+        checker_device: str = "cpu",
+        node_device: str = "cpu",
+    ) -> None:
         from echorl.actor.backend import TorchBackend
-        from echorl.actor.model import build_default_model, default_model
+        from echorl.actor.model import default_model
         from echorl.actor.types import SamplingParams
         from echorl.learner.spot_check import SpotChecker
         from echorl.protocol.snapshot import state_dict_to_safetensors
         from echorl.tasks import load_task
+        from echorl.tasks.chat import with_chat_template
 
-        self.policy = TorchBackend.from_pretrained(default_model())
-        self.base = TorchBackend.from_pretrained(build_default_model(warmup=None))
-        blob = state_dict_to_safetensors(self.policy.model.state_dict())
+        self.path = Path(model) if model else default_model()
+        self.policy = TorchBackend.from_pretrained(self.path, device=checker_device, dtype="float32")
+        blob = state_dict_to_safetensors({k: v.cpu() for k, v in self.policy.model.state_dict().items()})
         self.checker = SpotChecker(self.policy.model, self.policy.tokenizer, 1.0, 1.0, lambda v: blob)
-        self.task = load_task("addition", digits=2, seed=seed)
+        options: dict[str, Any] = {"digits": 2} if task == "addition" else {}
+        self.task = with_chat_template(load_task(task, seed=seed, **options), self.policy.tokenizer, bool(model))
         self.params = SamplingParams(temperature=1.0, max_new_tokens=self.task.max_new_tokens, stop=[])
         self.prompts = prompts
         self.rng = random.Random(seed)
-        self.bf16 = TorchBackend(copy.deepcopy(self.policy.model).to(torch.bfloat16), self.policy.tokenizer)
-        self.bf16_weights = TorchBackend(_rounded(self.policy.model, "bf16"), self.policy.tokenizer)
-        self.int8_weights = TorchBackend(_rounded(self.policy.model, "int8"), self.policy.tokenizer)
+        self.node_device = node_device
+        self._engines: dict[str, Any] = {}
+
+    def engine(self, kind: str) -> Any:
+        """A node's engine, made once: ``fp32``/``tf32`` (float32 on the node device; ``tf32``
+        runs with TF32 matmuls, :func:`matmul_precision`), ``bf16`` (bfloat16 weights and compute
+        on the node device), ``bf16_weights``/``int8_weights`` (the policy rounded, float32, on
+        the checker's device), ``base`` (the untrained model: the default model's random start,
+        or the model's architecture at a random init)."""
+        import torch
+
+        from echorl.actor.backend import TorchBackend
+
+        kind = "fp32" if kind == "tf32" else kind
+        if kind not in self._engines:
+            tok = self.policy.tokenizer
+            if kind == "fp32" and self.node_device == str(self.policy.device):
+                made = self.policy
+            elif kind in ("fp32", "bf16"):
+                dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+                made = TorchBackend(copy.deepcopy(self.policy.model).to(self.node_device, dtype), tok)
+            elif kind in ("bf16_weights", "int8_weights"):
+                made = TorchBackend(_rounded(self.policy.model, kind[: kind.index("_")]), tok)
+            elif kind == "base":
+                made = TorchBackend(_untrained(self.policy.model, self.path).to(self.policy.device), tok)
+            else:
+                raise ValueError(kind)
+            self._engines[kind] = made
+        return self._engines[kind]
 
     def lease(self) -> tuple[list[Any], int]:
         return self.task.next_prompts(self.prompts), self.rng.getrandbits(63)
@@ -112,11 +153,40 @@ class Lab:
             row = []
             for toks in group:
                 with torch.inference_mode():
-                    logits = self.policy.model(input_ids=torch.tensor([ids + toks])).logits[0, :-1].float()
+                    x = torch.tensor([ids + toks], device=self.policy.device)
+                    logits = self.policy.model(input_ids=x).logits[0, :-1].float().cpu()
                 lp = torch.log_softmax(logits, -1)[len(ids) - 1 :].gather(-1, torch.tensor(toks)[:, None])
                 row.append(Sample(list(toks), [min(0.0, x) for x in lp.squeeze(-1).tolist()], "stop", ""))
             out.append(row)
         return out
+
+
+@contextmanager
+def matmul_precision(tf32: bool) -> Iterator[None]:
+    """float32 matmuls on CUDA in TF32 (``high``) or in full float32 (``highest``, torch's default)
+    for the ``with`` block."""
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _untrained(model: Any, path: Path) -> Any:
+    """The untrained model a lazy cheater samples from: the default model's random start, else
+    ``model``'s architecture at a random init (same tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from echorl.actor.model import build_default_model, default_model
+
+    if path == default_model():
+        return AutoModelForCausalLM.from_pretrained(build_default_model(warmup=None), dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
 
 
 def _rounded(model: Any, how: str) -> Any:
@@ -146,9 +216,9 @@ def cheat(lab: Lab, name: str, prompts: list[Any], seed: int) -> list[list[Any]]
     if name == "copied_answers":
         return lab.true_logprobs(prompts, [[lab.policy.encode(p.answer) + [eos]] * G for p in prompts])
     if name == "other_model":
-        return lab.true_logprobs(prompts, _tokens(lab.sample(lab.base, prompts, seed)))
+        return lab.true_logprobs(prompts, _tokens(lab.sample(lab.engine("base"), prompts, seed)))
     if name in ("bf16_weights", "int8_weights"):
-        node = lab.bf16_weights if name == "bf16_weights" else lab.int8_weights
+        node = lab.engine(name)
         return lab.true_logprobs(prompts, _tokens(lab.sample(node, prompts, seed)))
     if name == "temperature_0.7":
         return lab.true_logprobs(prompts, _tokens(lab.sample(lab.policy, prompts, seed, temperature=0.7)))
@@ -243,29 +313,57 @@ def expected_until_caught(f: float, d: float) -> float:
     return first + (1 - d) ** NEWCOMER_CHECKS / (f * d)
 
 
-def run_honest(lab: Lab, kind: str, leases: int, gaps: list[float]) -> dict[str, Any]:
-    node = lab.policy if kind == "fp32" else lab.bf16
-    dtype = "float32" if kind == "fp32" else "bfloat16"
-    flags = samples = 0
+HONEST = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16"}
+"""Honest engines and the dtype each declares (a TF32 node computes in float32 as far as it knows)."""
+
+
+def run_honest(
+    lab: Lab, kind: str, leases: int, gaps: list[float], submissions: list[Any] | None = None
+) -> dict[str, Any]:
+    """An honest node of ``kind`` on ``lab.node_device``: its seeded samples, checked as declared;
+    also what the other replay row would have said of the same submissions. ``submissions``
+    (if given) gets, per submission, its positions and its gaps above 1e-4 (largest first): the
+    raw data for re-deriving a row's bound."""
+    from echorl.learner.tolerances import PROOF, PROOF_LOOSE, proof_tolerance
+
+    node, dtype = lab.engine(kind), HONEST[kind]
+    flags = logprob_flags = samples = strict_flags = loose_flags = 0
+    max_logprob_diff = 0.0
+    t0 = time.perf_counter()
     for _ in range(leases):
         prompts, seed = lab.lease()
-        groups = lab.groups(prompts, lab.sample(node, prompts, seed))
+        with matmul_precision(kind == "tf32"):
+            groups = lab.groups(prompts, lab.sample(node, prompts, seed))
         proof = lab.proof(prompts, seed)
         res = lab.checker.check_sync(groups, 0, "torch", dtype, proof)
         flags += not res.sampled
+        logprob_flags += not res.ok
+        max_logprob_diff = max(max_logprob_diff, res.max_abs_diff)
         samples += sum(len(g.samples) for g in groups)
-        gaps.extend(lab.checker.replay_gaps(groups, 0, proof) or [])
-    from echorl.learner.tolerances import proof_tolerance
-
+        mine = lab.checker.replay_gaps(groups, 0, proof) or []
+        strict_flags += not PROOF.holds(sum(g > PROOF.gap for g in mine), len(mine))
+        loose_flags += not PROOF_LOOSE.holds(sum(g > PROOF_LOOSE.gap for g in mine), len(mine))
+        gaps.extend(mine)
+        if submissions is not None:
+            submissions.append([len(mine), sorted((round(g, 6) for g in mine if g > 1e-4), reverse=True)])
     tol = proof_tolerance("torch", dtype)
     return {
         "honest": kind,
+        "declared_dtype": dtype,
+        "node_device": lab.node_device,
+        "checker_device": str(lab.policy.device),
+        "model": lab.path.name,
         "samples_checked": samples,
         "submissions_checked": leases,
         "false_flags": flags,
+        "false_flags_strict_row": strict_flags,
+        "false_flags_loose_row": loose_flags,
+        "logprob_flags": logprob_flags,
+        "logprob_max_abs_diff": round(max_logprob_diff, 5),
         "positions": len(gaps),
         "position_miss_rate": round(sum(g > tol.gap for g in gaps) / max(1, len(gaps)), 6),
         "max_gap": round(max(gaps, default=0.0), 6),
+        "seconds": round(time.perf_counter() - t0, 1),
     }
 
 
@@ -310,12 +408,17 @@ def main() -> None:
     p.add_argument("--declare", default="float32", help="the dtype cheaters declare (bfloat16: the loose row)")
     p.add_argument("--honest", default="fp32,bf16", help="honest engines to run (comma-separated, or none)")
     p.add_argument("--no-costs", action="store_true")
+    p.add_argument("--model", default=None, help="an HF model directory (default: the shipped default model)")
+    p.add_argument("--task", default="addition", help="the task (with --model: in its chat template)")
+    p.add_argument("--checker-device", default="cpu", help="where the learner's float32 replay runs")
+    p.add_argument("--node-device", default="cpu", help="where the honest engines run (cuda: GPU nodes)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    lab = Lab(args.prompts, args.seed)
+    torch.set_num_threads(args.threads)
+    lab = Lab(args.prompts, args.seed, args.model, args.task, args.checker_device, args.node_device)
     honest_leases = -(-args.honest_samples // (args.prompts * G))
     curve: dict[str, list[float]] = {}
-    for kind in [k for k in args.honest.split(",") if k in ("fp32", "bf16")]:
+    for kind in [k for k in args.honest.split(",") if k in HONEST]:
         curve[kind] = []
         emit(run_honest(lab, kind, honest_leases, curve[kind]), args.json)
     for name in [c for c in CLASSES if not args.only or c in args.only.split(",")]:

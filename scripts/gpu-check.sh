@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-exec timeout 290 "$PY" scripts/gpu_check.py "$@"
+exec timeout "${GPU_CHECK_TIMEOUT:-290}" "$PY" scripts/gpu_check.py "$@"

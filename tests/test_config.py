@@ -147,6 +147,24 @@ def test_toml_writer_round_trips_any_scalar(options, model) -> None:
         assert (math.isnan(got) and math.isnan(v)) if isinstance(v, float) and math.isnan(v) else got == v
 
 
+def test_every_role_computes_float32_at_full_precision_never_tf32() -> None:
+    """A TF32 node misses the replay's strict row (measured on an H200, learner/tolerances.py):
+    pinning a role's device also pins float32 matmuls to full precision, whatever was set."""
+    import torch
+
+    from echorl.actor.device import pin_device
+    from echorl.node.config import NodeConfig
+
+    cfg = _parse(NodeConfig, ["--bootstrap", "x", "--device", "cpu"])
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # what a user's script or library may have set
+    try:
+        assert pin_device(cfg) == "cpu, float32"
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_device_resolution_is_honest(monkeypatch) -> None:
     import torch
 

@@ -48,6 +48,18 @@ class InferenceBackend(Protocol):
         ...
 
 
+def cache_keyword(model: Any) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` in recent transformers
+    5 releases, ``past_key_values`` before them (4.56–5.17 at least; ``pyproject.toml`` allows
+    both). A cache passed under a name the model does not know would be swallowed by its
+    ``**kwargs``: every step would then see one token without its prefix."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: its **kwargs
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class TorchBackend:
     """torch/transformers backend for a causal LM (any ``AutoModelForCausalLM`` directory)."""
 
@@ -62,6 +74,7 @@ class TorchBackend:
         self.pad_id: int = int(pad if pad is not None else next(iter(self.eos_ids), 0))
         # a peft model loads its adapter's tensors only (actor/lora.py); any other, every weight
         self._load_weights = lora.weights_loader(model) or self._copy_weights
+        self._cache_arg = cache_keyword(model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | None = None) -> TorchBackend:
@@ -169,9 +182,8 @@ class TorchBackend:
         try:
             with torch.inference_mode():
                 cache = DynamicCache(config=self.model.config)
-                out = self.model(
-                    input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
-                )
+                kv = {self._cache_arg: cache}
+                out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kv)
                 for step in range(params.max_new_tokens):
                     logits = out.logits[:, -1, :].float()
                     logp_all = torch.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
@@ -203,9 +215,7 @@ class TorchBackend:
                     step_ids = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)[:, None]
                     mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], 1)
                     pos = pos[:, -1:] + 1
-                    out = self.model(
-                        input_ids=step_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
-                    )
+                    out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kv)
         finally:
             if was_training:
                 self.model.train()

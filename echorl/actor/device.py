@@ -49,9 +49,20 @@ def describe_device(device: str) -> str:
     return device
 
 
+FLOAT32_MATMUL_PRECISION = "highest"
+"""float32 matmuls at full precision, never TF32: the sampling replay's strict row (a float32
+node checked by a float32 learner, ``learner/tolerances.py``) holds only then. On an H200 a TF32
+node's gaps reached 0.021 and 9 of 157 honest SmolLM2 submissions were refused (docs/threat-model.md);
+the cost is float32 matmul speed on CUDA, which a bf16 node (the CUDA default) does not pay."""
+
+
 def pin_device(cfg: ModelFields) -> str:
     """Replace ``cfg.device``/``cfg.dtype`` ``auto`` by the device and dtype really used (CUDA
-    asked for where there is none: :class:`DeviceError`, a ``ValueError``); returns how the logs
-    should name it. Imports torch."""
+    asked for where there is none: :class:`DeviceError`, a ``ValueError``) and fix the process's
+    float32 matmul precision (:data:`FLOAT32_MATMUL_PRECISION`); returns how the logs should name
+    it. Imports torch."""
+    import torch
+
     cfg.device, cfg.dtype = resolve_device(cfg.device, cfg.dtype)
+    torch.set_float32_matmul_precision(FLOAT32_MATMUL_PRECISION)
     return f"{describe_device(cfg.device)}, {cfg.dtype}"

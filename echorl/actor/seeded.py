@@ -14,8 +14,10 @@ uses only 64-bit integer additions, products below 2^48, xors, shifts and masks:
 overflows, so CPU, CUDA and any other torch device (or numpy, or another language) produce the
 same bits. ``u`` keeps 23 of them and is exact in float32 (and strictly below 1); the two logarithms run in float32 (a
 device's ``log`` may differ in the last bit, ~1e-6 on ``g``, far below the verifier's tolerance;
-float64 logarithms cost 6× more on a CPU and bought nothing measurable). Temperature 0 is greedy
-(no noise). The lease's top-k is not a protocol field: only top-p exists, applied identically.
+float64 logarithms cost 6× more on a CPU and bought nothing measurable; on an H200 the hash
+bits and uniforms were the CPU's bit for bit and the Gumbel values within 9.5e-7,
+docs/engines.md). Temperature 0 is greedy (no noise). The lease's top-k is not a protocol
+field: only top-p exists, applied identically.
 
 Gumbel-max draws exactly from ``softmax(filter(z / T))``: seeded sampling changes which random
 numbers are used, not the distribution, so what is learned is unchanged.

@@ -27,8 +27,9 @@ import trio
 
 from echorl.broadcast.deadlines import Deadlines, upload_copies
 from echorl.broadcast.store import HeldChain, VersionState, WeightStore
-from echorl.net.guard import ConnectionGuard, ip_key
+from echorl.net.guard import ConnectionGuard
 from echorl.net.host import Host, HostConfig, RequestContext
+from echorl.net.hostkey import ip_key
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.transport import (
     ChunkDialer,

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from echorl.net.guard import ip_key
+from echorl.net.hostkey import ip_key
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import short_id
 from echorl.protocol.messages import Capability

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from echorl.learner.config import RosterFields
 from echorl.learner.pace import is_proven
 from echorl.learner.peers import PeerBook, PeerRecord
-from echorl.net.guard import ip_key
+from echorl.net.hostkey import ip_key
 from echorl.protocol.errors import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:

@@ -70,18 +70,28 @@ class ProofTolerance:
         return misses <= self.miss_slack + self.miss_fraction * positions
 
 
-#: the float32 torch row (the learner's own engine) and the row of every other declared kind;
-#: calibrated by ``bench/cheaters.py --calibrate`` (docs/threat-model.md, "Seeded sampling"):
-#: float32 nodes showed no position with a gap above 1e-4 in 34,813 (10,048 samples); bf16 CPU
-#: nodes 0.1 % of positions above 0.1 and none above 0.31, i.e. ~0.2 misses in a 223-position
-#: submission against the 3 allowed. GPU kernels (TF32, vLLM) are not measured here.
+#: the float32 torch row (the learner's own engine) and the row of every other declared kind,
+#: calibrated by ``bench/cheaters.py --calibrate`` and ``scripts/gpu-check.sh`` on an H200
+#: (docs/threat-model.md, "Seeded sampling"; 10,048 samples of each honest engine):
+#:
+#: * strict (gap 0.01, no miss): float32 torch on the CPU and on CUDA showed no gap above 0 on the
+#:   default model and on SmolLM2-135M-Instruct (119,627 positions). A CUDA node with TF32
+#:   matmuls does not meet it (largest gap 0.021; 9 of 157 SmolLM2 submissions refused), so
+#:   every echorl process computes float32 at full precision (``actor/device.py:pin_device``).
+#: * loose (gap 0.3, 0.3 % of the positions + 3): bf16 on CUDA against a float32 learner missed
+#:   at most 3 of 746–778 positions of a SmolLM2 submission above 0.3 (0.033 % of positions,
+#:   largest gap 0.87) and at most 1 of ~222 on the default model; the previous row (gap 0.1,
+#:   0.5 % + 2), set from CPU bf16 on the 505k-parameter default model, refused 23 of 157
+#:   honest SmolLM2 submissions (up to 10 misses above 0.1). At 0.3 the cheats a GPU makes cheap
+#:   still miss 380× (temperature 0.7) and 190× (top-p 0.9) as often as honest bf16 on SmolLM2.
+#:
 #: What the strict row lets through is near-ties: a node with weights rounded to bf16 / int8 that
 #: declares float32 passes a checked submission only where it is the honest float32 node's
 #: submission token for token (76 % / 82 % of its passes) or differs by flips of ties within the
 #: gap; 62 % / 79 % of its submissions that differ from the honest one are caught, and no gap
 #: bound catches them all (one differed with no gap above 6e-5) (docs/threat-model.md).
 PROOF = ProofTolerance(gap=0.01, miss_fraction=0.0, miss_slack=0)
-PROOF_LOOSE = ProofTolerance(gap=0.1, miss_fraction=0.005, miss_slack=2)
+PROOF_LOOSE = ProofTolerance(gap=0.3, miss_fraction=0.003, miss_slack=3)
 
 
 def proof_tolerance(engine: str, dtype: str | None, checker_dtype: str = "float32") -> ProofTolerance:

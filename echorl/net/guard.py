@@ -21,7 +21,6 @@ host (``contain_stream_errors``).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections.abc import Iterator
@@ -33,29 +32,9 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStore
 
+from echorl.net.hostkey import ip_key
+
 log = logging.getLogger(__name__)
-
-
-def ip_key(ip: str | None) -> str:
-    """What one host counts as: the IPv4 address, an IPv6 address's /64 ("" if unknown)."""
-    if not ip:
-        return ""
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
-    return str(addr)
-
-
-def same_host(a: str | None, b: str | None) -> bool:
-    """Whether two addresses count as one host (``ip_key``: the same IPv4 address, the same
-    IPv6 /64): what a ban covers is what a strike's exemption compares."""
-    key = ip_key(a)
-    return bool(key) and key == ip_key(b)
 
 
 #: open inbound connections in all, by default. Sized for a learner holding 1,000+ joined peers:

@@ -37,7 +37,8 @@ from echorl.net.framing import (
     reset_quietly,
     write_message,
 )
-from echorl.net.guard import RefusalStrikes, same_host
+from echorl.net.guard import RefusalStrikes
+from echorl.net.hostkey import same_host
 from echorl.net.ratelimit import RateLimit, TokenBuckets
 from echorl.net.routes import RATES
 from echorl.protocol import limits, wire

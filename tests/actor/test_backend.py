@@ -73,6 +73,36 @@ def test_batched_logprobs_match_single_prompt(model_dir):
     assert both[0][0].logprobs == pytest.approx(alone[0][0].logprobs, abs=1e-4)
 
 
+def test_a_model_that_takes_its_cache_as_past_key_values_samples_the_same(model_dir):
+    """transformers before ~5.2x names the KV cache ``past_key_values`` (pyproject allows 4.56+;
+    the GPU image here had 5.17): the backend passes it under whichever name the model takes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from echorl.actor.backend import TorchBackend
+
+    class OlderSignature(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+            return self.inner(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=past_key_values,
+                use_cache=use_cache,
+            )
+
+    new = TorchBackend.from_pretrained(model_dir)
+    old = TorchBackend(OlderSignature(AutoModelForCausalLM.from_pretrained(model_dir).eval()), new.tokenizer)
+    params = SamplingParams(max_new_tokens=8)
+    assert old.generate(["12+34=", "7+8="], 4, params, sampling_seed=3) == new.generate(
+        ["12+34=", "7+8="], 4, params, sampling_seed=3
+    )
+
+
 def test_stop_strings_top_p_and_eos(model_dir):
     from echorl.actor.backend import TorchBackend, measure_tokens_per_second
 

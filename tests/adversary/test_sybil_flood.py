@@ -19,8 +19,8 @@ from test_hostile_rollouts import RUN, _service, tiny  # noqa: F401 - fixture
 
 from echorl.learner.roster import MAX_MEMBER_ADDRS
 from echorl.learner.service import LearnerService
-from echorl.net.guard import ip_key
 from echorl.net.host import PeerUnavailable, RequestContext, open_host
+from echorl.net.hostkey import ip_key
 from echorl.protocol import routes, wire
 from echorl.protocol.errors import ErrorCode, ProtocolError
 from echorl.protocol.identity import Identity

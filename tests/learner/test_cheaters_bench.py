@@ -14,18 +14,23 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cheaters.py"
 
 
-def test_cheat_lines_count_the_submissions_that_differ_from_honest_work():
-    leases = 4
+def bench_lines(*args: str) -> list[dict]:
+    """``bench/cheaters.py --json --prompts 4 --no-costs ARGS``: its JSON lines."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--json", "--only", "all_eos,bf16_weights", "--prompts", "4"]
-        + ["--cheat-leases", str(leases), "--honest", "none", "--no-costs"],
+        [sys.executable, str(BENCH), "--json", "--prompts", "4", "--no-costs", *args],
         capture_output=True,
         text=True,
         timeout=600,
         env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stderr
-    lines = {row["cheat"]: row for row in map(json.loads, proc.stdout.splitlines())}
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_cheat_lines_count_the_submissions_that_differ_from_honest_work():
+    leases = 4
+    rows = bench_lines("--only", "all_eos,bf16_weights", "--cheat-leases", str(leases), "--honest", "none")
+    lines = {row["cheat"]: row for row in rows}
     eos = lines["all_eos"]
     assert eos["submissions_differing"] == leases and eos["detected_frac_of_differing"] == 1.0
     assert eos["passed_identical_frac"] is None and eos["samples_per_differing_submission"] > 0
@@ -38,3 +43,15 @@ def test_cheat_lines_count_the_submissions_that_differ_from_honest_work():
     if caught < leases:
         passed = leases - caught
         assert round(rounded["passed_identical_frac"] * passed) == passed - (differing - caught)
+
+
+def test_honest_lines_say_what_each_replay_row_would_have_done():
+    """An honest float32 node replays exactly (no gap, no flag under either row); a bf16 node is
+    judged by the row it declares, and the line also says what the other row would have done."""
+    rows = bench_lines("--only", "none", "--honest", "fp32,bf16", "--honest-samples", "96")
+    lines = {row["honest"]: row for row in rows}
+    fp32, bf16 = lines["fp32"], lines["bf16"]
+    assert fp32["declared_dtype"] == "float32" and fp32["samples_checked"] == 96
+    assert fp32["max_gap"] == 0.0 and fp32["false_flags"] == fp32["false_flags_strict_row"] == 0
+    assert bf16["declared_dtype"] == "bfloat16" and bf16["false_flags"] == bf16["false_flags_loose_row"]
+    assert bf16["max_gap"] > 0.0  # bf16 rounding moves some scores: the replay sees it

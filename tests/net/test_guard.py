@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import trio
 
-from echorl.net.guard import ConnectionGuard, same_host
+from echorl.net.guard import ConnectionGuard
 from echorl.net.host import HostConfig
+from echorl.net.hostkey import same_host
 from echorl.net.serving import RouteServer
 from echorl.protocol.messages import Status, StatusRequest
 
