@@ -214,14 +214,12 @@ class Admission:
         ``max_leases_per_peer``; a fast opening answer alone proves nothing)."""
         return is_proven(self.load(peer_id))
 
-    def address_full(self, ip_key: str, held: Mapping[str, int]) -> bool:
+    def address_full(self, ip_key: str, held_there: int) -> bool:
         """Whether the members whose joins came from ``ip_key`` hold ``max_leases_per_ip`` leases
-        (``held``: open leases by holder; "": an unknown address is not counted)."""
+        (``held_there``: their open leases, ``LeaseBook.held_at``; "": an unknown address is not
+        counted)."""
         cap = self.policy.max_leases_per_ip
-        if cap <= 0 or not ip_key:
-            return False
-        book = self.book
-        return sum(n for pid, n in held.items() if (p := book.get(pid)) is not None and p.ip_key == ip_key) >= cap
+        return cap > 0 and bool(ip_key) and held_there >= cap
 
     def deadline(
         self,

@@ -40,13 +40,14 @@ class LeaseRecord:
     deadline: float
     late_after_s: float = 0.0  # a result later than this after issue counts against the peer (0: never)
     sampling_seed: int | None = None  # secret until the lease is sent: seeded sampling (actor/seeded.py); None: off
+    address: str = ""  # the holder's address key at issue (net/hostkey.py:ip_key; "": unknown, not counted)
 
 
 class LeaseBook:
-    """The open leases (``active``, by id) with two indexes kept as leases are issued and settled:
-    by holder, and the prompts out in all. A lease request asks for both and the status lists every
-    member's leases, so a scan of every open lease per request made a 1,000-peer swarm's control
-    plane O(N^2) (bench/swarm.py)."""
+    """The open leases (``active``, by id) with three indexes kept as leases are issued and
+    settled: by holder, by the holder's address, and the prompts out in all. A lease request asks
+    for them and the status lists every member's leases, so a scan of every open lease (or every
+    holder) per request made a 1,000-peer swarm's control plane O(N^2) (bench/swarm.py)."""
 
     MAX_REMEMBERED = 200_000
 
@@ -54,6 +55,7 @@ class LeaseBook:
         self.active: dict[str, LeaseRecord] = {}
         self._by_peer: dict[str, dict[str, LeaseRecord]] = {}  # holder -> its open leases by id
         self._held: dict[str, int] = {}  # holder -> open leases (never 0: a holder with none is removed)
+        self._at_address: dict[str, int] = {}  # address key -> open leases of its holders (never 0)
         self._prompts_out = 0  # prompts of all open leases
         self._settled: OrderedDict[str, str] = OrderedDict()  # lease id -> how it ended
         self._nonces: OrderedDict[bytes, None] = OrderedDict()
@@ -74,13 +76,19 @@ class LeaseBook:
         timeout_s: float,
         late_after_s: float = 0.0,
         seeded: bool = True,
+        address: str = "",
     ) -> LeaseRecord:
+        """Open a lease; ``address``: the holder's address key (counted by :meth:`held_at`)."""
         lease_id = f"L{self._salt}-{next(self._counter)}"
         seed = secrets.randbits(63) if seeded else None  # unpredictable: a node cannot sample ahead of its lease
-        rec = LeaseRecord(lease_id, peer_id, prompts, group_size, min_version, now, now + timeout_s, late_after_s, seed)
+        rec = LeaseRecord(
+            lease_id, peer_id, prompts, group_size, min_version, now, now + timeout_s, late_after_s, seed, address
+        )
         self.active[lease_id] = rec
         self._by_peer.setdefault(peer_id, {})[lease_id] = rec
         self._held[peer_id] = self._held.get(peer_id, 0) + 1
+        if address:
+            self._at_address[address] = self._at_address.get(address, 0) + 1
         self._prompts_out += len(prompts)
         self.issued += 1
         return rec
@@ -120,6 +128,12 @@ class LeaseBook:
                 self._held[rec.peer_id] = len(mine)
             else:
                 del self._by_peer[rec.peer_id], self._held[rec.peer_id]
+            if rec.address:
+                left = self._at_address[rec.address] - 1
+                if left:
+                    self._at_address[rec.address] = left
+                else:
+                    del self._at_address[rec.address]
             self._prompts_out -= len(rec.prompts)
         self._remember(self._settled, lease_id, how)
         if nonce is not None:
@@ -167,6 +181,10 @@ class LeaseBook:
     def held_per_peer(self) -> Mapping[str, int]:
         """Open leases by holder (holders only): a read-only view, current as leases change."""
         return MappingProxyType(self._held)
+
+    def held_at(self, address: str) -> int:
+        """Open leases whose holders' joins came from ``address`` (an address key)."""
+        return self._at_address.get(address, 0)
 
     def outstanding_prompts(self) -> int:
         return self._prompts_out

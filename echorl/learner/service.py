@@ -284,7 +284,7 @@ class LearnerService:
         wait = self.admission.lease_wait(ctx.peer_id, held.get(ctx.peer_id, 0))
         if wait > 0:
             return self._wait(ctx.peer_id, "paced", min(wait, 3600.0), now)
-        if self.admission.address_full(peer.ip_key, held):
+        if self.admission.address_full(peer.ip_key, self.leases.held_at(peer.ip_key)):
             return self._wait(ctx.peer_id, "paced", 0.5, now)
         if self.stopping:
             return self._deferred("stopping", retry_after_s=1.0)
@@ -317,7 +317,9 @@ class LearnerService:
             steps_left=msg.version + rule.bound + 1 - self.version,
         )
         late, seeded = self.admission.late_after(n), s.sampling_proofs
-        rec = self.leases.issue(ctx.peer_id, prompts, s.group_size, min_version, now, timeout_s, late, seeded)
+        rec = self.leases.issue(
+            ctx.peer_id, prompts, s.group_size, min_version, now, timeout_s, late, seeded, address=peer.ip_key
+        )
         return Lease(
             lease_id=rec.lease_id,
             run_id=self.run_id,

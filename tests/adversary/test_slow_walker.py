@@ -111,3 +111,31 @@ def test_slow_walking_identities_cannot_starve_an_honest_node(tiny) -> None:  # 
         assert svc.counters["leases_late"] >= WALKERS  # each walker's slow answer counted against it
 
     trio.run(main)
+
+
+def test_one_address_holds_at_most_its_lease_cap_whatever_its_identities(tiny) -> None:  # noqa: F811
+    """``max_leases_per_ip``: proven identities of one address together hold at most the cap
+    (counted per address as leases are issued and settled, ``LeaseBook.held_at``: no scan of the
+    holders per request); a peer of another address is still served, and a settled lease gives
+    the address its room back."""
+
+    async def main() -> None:
+        svc = _service(tiny, prompts_per_step=64, prompts_per_lease=2, max_leases_per_ip=3, max_leases_per_peer=4)
+        svc.note_published(0)
+        crowd = [_join(svc, Identity.generate(), "198.18.0.7") for _ in range(5)]
+        other = _join(svc, Identity.generate(), "198.18.0.8")
+        for ctx in [*crowd, other]:
+            for _ in range(3):  # proven: past the newcomer rules
+                svc.admission.on_result(ctx.peer_id, groups=2, issued_at=time.monotonic() - 1.0)
+        got = []
+        for ctx in crowd * 2:
+            svc.admission.told_to_wait(ctx.peer_id, 0.0, 0.0)
+            got.append(await _lease(svc, ctx))
+        leases = [g for g in got if isinstance(g, Lease)]
+        assert len(leases) == 3 and svc.leases.held_at("198.18.0.7") == 3
+        assert isinstance(await _lease(svc, other), Lease)  # another address is not held back
+        svc.leases.settle(leases[0].lease_id, "result")
+        svc.admission.told_to_wait(crowd[4].peer_id, 0.0, 0.0)
+        assert isinstance(await _lease(svc, crowd[4]), Lease) and svc.leases.held_at("198.18.0.7") == 3
+
+    trio.run(main)
