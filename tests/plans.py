@@ -16,21 +16,28 @@ from echorl.protocol.messages import PlanAnnounce, PlanMember
 UNRELATED_VERSION = 10**6  # far beyond any version a test publishes
 
 
-def share_a_plan(holder: Relay, learner: Identity, *peers: str, run_id: str = "r") -> None:
-    """Make ``peers`` members of a plan (of an unrelated version) that ``holder`` holds."""
-    data = safetensors_f32(np.zeros(4, dtype=np.float32))
-    manifest = snapshot.build_manifest(learner, run_id, UNRELATED_VERSION, -1, data, data)[0]
-    members = [PlanMember(peer_id=p, reachable=True, addrs=[]) for p in (holder.host.peer_id, *peers)]
-    ann = PlanAnnounce(
-        run_id=run_id,
+def announce(
+    learner: Identity, data: bytes, members: list[str], *, version: int = 1, chunk_bytes: int = 0
+) -> PlanAnnounce:
+    """A signed full version ``data`` planned over ``members`` (``chunk_bytes`` 0: the default)."""
+    cut = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    manifest = snapshot.build_manifest(learner, "r", version, -1, data, data, **cut)[0]
+    return PlanAnnounce(
+        run_id="r",
         learner_peer_id=learner.peer_id,
-        version=UNRELATED_VERSION,
+        version=version,
         manifest=manifest,
         shape="striped",
         fanout=2,
         seed=0,
         learner_addrs=[],
-        members=members,
+        members=[PlanMember(peer_id=p, reachable=True, addrs=[]) for p in members],
         created_at=0.0,
     )
+
+
+def share_a_plan(holder: Relay, learner: Identity, *peers: str) -> None:
+    """Make ``peers`` members of a plan (of an unrelated version) that ``holder`` holds."""
+    data = safetensors_f32(np.zeros(4, dtype=np.float32))
+    ann = announce(learner, data, [holder.host.peer_id, *peers], version=UNRELATED_VERSION)
     holder.server.add_state(VersionState(ann, holder.host.peer_id, holder.server.store))

@@ -36,6 +36,13 @@ from echorl.protocol.messages import Chunk, Manifest, PlanAnnounce, PlanMember, 
 from echorl.protocol.plan import BroadcastPlan, PlanPeer, Stripe, plan_broadcast
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+#: a chunk write this small runs on the loop, followed by a checkpoint: a page-cache pwrite of
+#: 64 KiB takes tens of microseconds, the hop to a worker thread and back cost more (11 % of all
+#: relay samples in the 32-peer bench, docs/broadcast-notes.md). The checkpoint keeps what the
+#: hop gave for free: the relay's forwarders run between two of its chunks, so it never reads
+#: far ahead of them and evicts chunks from its cache before they are streamed on. Larger writes
+#: (versions of 100s of MB, where the kernel may throttle dirty pages) still go to a thread.
+INLINE_WRITE_BYTES = 64 * 1024
 _OURS = re.compile(r"^v\d+-\d+\.(payload|safetensors)$")
 _TMP_STORE = re.compile(r"^echorl-store-(\d+)-")
 STALE_TMP_STORE_S = 600.0  # a dead process's temporary store is removed once untouched this long
@@ -227,8 +234,9 @@ class VersionState:
             raise ProtocolError(ErrorCode.BAD_CHUNK, "chunk bytes do not match their digest")
 
     async def put(self, d: bytes, data: bytes, body: bytes | None = None) -> bool:
-        """Store a chunk already verified against ``d`` (written at each of its offsets in a
-        worker thread, its frame body cached); True if new. Wakes all waiters."""
+        """Store a chunk already verified against ``d`` (written at each of its offsets, on the
+        loop if small, else in a worker thread; its frame body cached); True if new. Wakes all
+        waiters."""
         idx = self.by_digest.get(d)
         if not idx or self.have[idx[0]]:
             return False
@@ -238,7 +246,11 @@ class VersionState:
             for i in idx:
                 write_at(self.path, self.offset(i), data)
 
-        await trio.to_thread.run_sync(write)
+        if len(data) * len(idx) <= INLINE_WRITE_BYTES:
+            write()
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.to_thread.run_sync(write)
         if self.have[idx[0]]:
             return False
         if body is None or not body.endswith(data):
