@@ -12,6 +12,7 @@ sit on it.
 - ``framing.py``: length-prefixed frames with deadlines (``read_frame``, ``write_frame``).
 - ``ratelimit.py``: ``RateLimit``, ``TokenBuckets`` (per-peer token buckets, bounded memory).
 - ``guard.py``: ``ConnectionGuard`` (inbound connections per address), ``RefusalStrikes``.
+- ``hostkey.py``: ``ip_key``, ``same_host`` (what one host counts as: IPv4 address, IPv6 /64).
 - ``transport/``: chunk transports side by side (the ``ChunkTransport`` interface, libp2p
   streams, the ticketed direct TCP path and its listener, ``ChunkDialer``: the one place the
   path is picked; ``UploadLimiter``): see its package doc.
