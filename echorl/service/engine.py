@@ -320,8 +320,9 @@ class Engine:
             plp = None
             if prompt_logprobs:
                 with torch.inference_mode():
-                    logits = self.model(input_ids=torch.tensor([prompt], device=self.sampler.device)).logits.float()
-                lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+                    ids = torch.tensor([prompt], device=self.sampler.device)
+                    logits = self.model(input_ids=ids).logits.float()
+                lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)  # one device
                 plp = [None, *lp.tolist()]
         sequences = []
         for s in samples:

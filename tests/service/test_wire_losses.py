@@ -144,3 +144,23 @@ def test_future_book_long_poll_and_owner():
             book.create("alice", "json")  # all four pending: none can be dropped
 
     trio.run(main)
+
+
+def test_prompt_logprobs_are_each_next_tokens_under_the_base_model():
+    """``sample(..., prompt_logprobs=True)``: the first position has none, then each prompt
+    token's log-prob given the tokens before it, computed on the model's device."""
+    import torch
+
+    from echorl.actor.model import default_model
+    from echorl.actor.types import SamplingParams
+    from echorl.service.engine import Engine, Snapshot
+
+    engine = Engine(default_model())
+    prompt = engine.sampler.encode("12+34=")
+    out = engine.sample(Snapshot(None, None), prompt, 2, SamplingParams(max_new_tokens=3), 0, [], True)
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt])).logits.float()
+    want = torch.log_softmax(logits[0, :-1], -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1:] == pytest.approx(want.tolist(), abs=1e-5)
+    assert len(out.sequences) == 2
