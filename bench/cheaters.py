@@ -3,6 +3,8 @@ honest nodes are wrongly flagged, and what seeded sampling costs.
 
     OMP_NUM_THREADS=1 python bench/cheaters.py --json            # every class, JSON lines
     OMP_NUM_THREADS=1 python bench/cheaters.py --json --calibrate # + the per-position gap curve
+    python bench/cheaters.py --json --score docs/data/h200-2026-12-04/gaps_smollm2_seed0.json \
+        --rows "0.1,0.005,2;0.3,0.003,3"   # replay rows scored on saved honest gaps, nothing run
 
 The policy is the shipped default model (2-digit addition, what the demo trains); every lease
 is ``--prompts`` prompts × G=8 samples with a fresh secret seed, sampled at the learner's
@@ -367,6 +369,28 @@ def run_honest(
     }
 
 
+def score_rows(path: Path, rows: list[tuple[float, float, int]]) -> list[dict[str, Any]]:
+    """Score replay rows (gap, miss fraction, slack) against the honest submissions saved by
+    ``scripts/gpu-check.sh --gaps-dir`` (each submission's positions and its gaps above 1e-4):
+    one line per engine and row, with the false flags that row would have raised."""
+    import json
+
+    from echorl.learner.tolerances import ProofTolerance
+
+    out = []
+    for kind, saved in json.loads(path.read_text()).items():
+        subs = saved["submissions"]
+        for gap, fraction, slack in rows:
+            row = ProofTolerance(gap, fraction, slack)
+            misses = [sum(g > gap for g in gaps) for _, gaps in subs]
+            flags = sum(not row.holds(m, positions) for m, (positions, _) in zip(misses, subs))
+            out.append(
+                {"data": path.name, "honest": kind, "row": [gap, fraction, slack], "submissions": len(subs),
+                 "false_flags": flags, "max_misses": max(misses, default=0)}
+            )  # fmt: skip
+    return out
+
+
 def costs(lab: Lab, leases: int) -> dict[str, Any]:
     """Generation CPU with and without seeded sampling (alternating, same prompts), and the
     replay's CPU per submission."""
@@ -413,7 +437,14 @@ def main() -> None:
     p.add_argument("--checker-device", default="cpu", help="where the learner's float32 replay runs")
     p.add_argument("--node-device", default="cpu", help="where the honest engines run (cuda: GPU nodes)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--score", default="", help="a gaps JSON of gpu-check --gaps-dir: score --rows on it, run nothing")
+    p.add_argument("--rows", default="0.1,0.005,2;0.3,0.003,3", help="gap,fraction,slack;... for --score")
     args = p.parse_args()
+    if args.score:
+        rows = [(float(g), float(f), int(k)) for g, f, k in (r.split(",") for r in args.rows.split(";"))]
+        for line in score_rows(Path(args.score), rows):
+            emit(line, args.json)
+        return
     torch.set_num_threads(args.threads)
     lab = Lab(args.prompts, args.seed, args.model, args.task, args.checker_device, args.node_device)
     honest_leases = -(-args.honest_samples // (args.prompts * G))

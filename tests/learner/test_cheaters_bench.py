@@ -55,3 +55,25 @@ def test_honest_lines_say_what_each_replay_row_would_have_done():
     assert fp32["max_gap"] == 0.0 and fp32["false_flags"] == fp32["false_flags_strict_row"] == 0
     assert bf16["declared_dtype"] == "bfloat16" and bf16["false_flags"] == bf16["false_flags_loose_row"]
     assert bf16["max_gap"] > 0.0  # bf16 rounding moves some scores: the replay sees it
+
+
+def test_the_loose_row_passes_every_honest_gpu_bf16_submission_of_the_h200_calibration():
+    """The data behind ``PROOF_LOOSE`` (docs/data/h200-2026-12-04: SmolLM2-135M-Instruct, bf16
+    nodes on an H200 against a float32 learner, two seeds): the current row flags none of the 314
+    honest submissions; the first loose row, set on CPU bf16 and the tiny model, flagged 23."""
+    from echorl.learner.tolerances import PROOF_LOOSE
+
+    sys.path.insert(0, str(BENCH.parent))
+    from cheaters import score_rows
+
+    data = BENCH.parents[1] / "docs" / "data" / "h200-2026-12-04"
+    row, first = (PROOF_LOOSE.gap, PROOF_LOOSE.miss_fraction, PROOF_LOOSE.miss_slack), (0.1, 0.005, 2)
+    lines = [
+        line
+        for name in ("gaps_smollm2_seed0.json", "gaps_smollm2_seed1_bf16.json")
+        for line in score_rows(data / name, [row, first])
+        if line["honest"] == "bf16"
+    ]
+    assert sum(line["submissions"] for line in lines if line["row"] == list(row)) == 314
+    assert all(line["false_flags"] == 0 for line in lines if line["row"] == list(row))
+    assert sum(line["false_flags"] for line in lines if line["row"] == list(first)) > 0
