@@ -302,7 +302,7 @@ def main() -> int:
     import torch
 
     from echorl.actor.device import resolve_device
-    from echorl.actor.model import QWEN3_135M, build_default_model, build_random_model
+    from echorl.actor.model import QWEN3_135M, build_random_model, default_model
 
     device, dtype = resolve_device(args.device)
     summary: dict = {
@@ -316,7 +316,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="echorl-gpucheck-") as tmp:
         arch = replace(QWEN3_135M, num_hidden_layers=4) if args.small else QWEN3_135M
         needs_models = any(want(n) for n in ("torch_vs_cpu", "vllm", "apply"))
-        models = {"default": build_default_model()}
+        models = {"default": default_model()}  # the shipped directory: nothing is trained here
         if needs_models:
             models["qwen3_135m_random"] = build_random_model(Path(tmp) / "m", arch)
         if want("noise"):
