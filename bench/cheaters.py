@@ -369,6 +369,11 @@ def run_honest(
     }
 
 
+def miss_rates(curve: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per engine or class, the fraction of its positions whose gap exceeds each ``CURVE`` bound."""
+    return {k: [round(sum(g > t for g in v) / max(1, len(v)), 6) for t in CURVE] for k, v in curve.items()}
+
+
 def score_rows(path: Path, rows: list[tuple[float, float, int]]) -> list[dict[str, Any]]:
     """Score replay rows (gap, miss fraction, slack) against the honest submissions saved by
     ``scripts/gpu-check.sh --gaps-dir`` (each submission's positions and its gaps above 1e-4):
@@ -460,8 +465,7 @@ def main() -> None:
     if not args.no_costs:
         emit(costs(lab, args.cost_leases), args.json)
     if args.calibrate:
-        rows = {k: [round(sum(g > t for g in v) / max(1, len(v)), 6) for t in CURVE] for k, v in curve.items()}
-        emit({"curve_gap": list(CURVE), "position_miss_rate": rows}, args.json)
+        emit({"curve_gap": list(CURVE), "position_miss_rate": miss_rates(curve)}, args.json)
 
 
 if __name__ == "__main__":

@@ -64,14 +64,11 @@ def step(summary: dict, name: str, fn, *args) -> None:
 def noise_check(device: str) -> dict:
     import torch
 
-    from echorl.actor.seeded import GOLDEN, MASK32, SeededRows, mix32, row_key, uniforms
+    from echorl.actor.seeded import SeededRows, hash_bits, row_key, uniforms
 
     vocab, rows = 49_152, 64  # SmolLM2's vocabulary
     keys = [row_key(12345678901, i, t) for i in range(rows // 8) for t in range(8)]
-    bits = [
-        mix32(torch.tensor(keys, device=d)[:, None] ^ ((torch.arange(vocab, device=d) * GOLDEN) & MASK32))
-        for d in ("cpu", device)
-    ]
+    bits = [hash_bits(torch.tensor(keys, device=d), vocab) for d in ("cpu", device)]
     u = [uniforms(b) for b in bits]
     g = [-torch.log(-torch.log(x)) for x in u]
     torch.manual_seed(0)
@@ -160,9 +157,7 @@ def proofs_check(
         out["cheats"].append(cheaters.run_class(lab, name, cheat_leases, gaps, declare))
         curve[name] = gaps
     out["curve_gap"] = list(cheaters.CURVE)
-    out["position_miss_rate"] = {
-        k: [round(sum(g > t for g in v) / max(1, len(v)), 6) for t in cheaters.CURVE] for k, v in curve.items()
-    }
+    out["position_miss_rate"] = cheaters.miss_rates(curve)
     return out
 
 

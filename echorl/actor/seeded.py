@@ -117,8 +117,13 @@ def _gumbel_of(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[*keys.shape, vocab]`` float32 Gumbel noise of int64 row keys."""
     import torch
 
-    u = uniforms(mix32(keys[..., None] ^ _vocab_table(vocab, keys.device)))
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniforms(hash_bits(keys, vocab))))
+
+
+def hash_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[*keys.shape, vocab]`` 32-bit hash values (int64) of int64 row keys and every token id:
+    the integers the uniforms are made of, the same bits on every device."""
+    return mix32(keys[..., None] ^ _vocab_table(vocab, keys.device))
 
 
 def uniforms(bits: torch.Tensor) -> torch.Tensor:
