@@ -1,23 +1,26 @@
-"""``echorl serve`` driven by the unmodified Tinker clients, and the HTTP layer's cost.
+"""``echorl serve`` driven by the unmodified Tinker clients, sampling by the swarm, and the HTTP layer's cost.
 
-    python bench/service.py --json [--sup-steps 8] [--rl-steps 10] [--fwdbwd 30]
+    python bench/service.py --json [--nodes 2] [--sup-steps 8] [--rl-steps 10] [--fwdbwd 30]
 
-Starts one ``echorl serve`` (loopback, any port, the default tiny model, ``--threads 1``) and runs,
-for each client whose virtualenv exists (``make clients``: ``.venv-tinker`` = tinker 0.38.0 +
+Starts one ``echorl serve`` (loopback, any port, the default tiny model, ``--threads 1``) with
+``--swarm`` and ``--nodes`` ``echorl node`` processes joined to it (0: no swarm), and runs, for each
+client whose virtualenv exists (``make clients``: ``.venv-tinker`` = tinker 0.38.0 +
 tinker-cookbook 0.6.1, ``.venv-logits`` = logits-sdk 0.1.6), the client scripts of
 ``tests/service/clients``: ``supervised.py`` (forward_backward + optim_step on addition problems)
 and an RL loop (tinker: the cookbook's ``rl_loop`` recipe, ``cookbook_rl.py``; logits: the same
-loop on the public API, ``rl_plain.py``). One line per client and loop: ``client``, ``loop``,
-``start``, ``end`` (loss, or mean reward of the first vs last batches), ``nodes_sampling``,
-``seconds``. ``nodes_sampling`` is 0: the server samples every ``sample()`` itself (sampling by
-the swarm, issue 26 item 2, is not built), so the last line's ``swarm_tokens_per_s`` is null and
-``learner_tokens_per_s`` is measured (``--samples`` requests of 8 x 16 tokens, raw HTTP).
+loop on the public API, ``rl_plain.py``, unseeded so that the swarm takes its requests). One line
+per client and loop: ``client``, ``loop``, ``start``, ``end`` (loss, or mean reward of the first vs
+last batches), ``nodes_sampling`` (nodes with an accepted submission so far, from the swarm's
+status), ``node_token_share`` (of the loop's sampled tokens, those nodes sampled), ``seconds``.
 
-The same last line holds the HTTP layer's overhead per ``forward_backward``: ``--fwdbwd`` requests
-of 8 addition-sized data through HTTP (JSON, tinker 0.21's format: POST + ``retrieve_future``)
-against the bare training step (``Engine.forward_backward`` on the same request in this process,
-one torch thread like the server), interleaved one by one so both see the same load (the 2 cores
-are shared: ``loadavg`` is recorded). ``http_overhead_p50_ms`` = HTTP p50 - bare p50 (and p99).
+The last line: ``swarm_tokens_per_s`` vs ``learner_tokens_per_s``: ``--samples`` requests of 8 x 16
+tokens sent at once on a fresh snapshot of the swarm's adapter shape, unseeded (the swarm takes
+them) vs the same with a seed (the server samples them: it never leases a seeded request), in the
+same run; and the HTTP layer's overhead per ``forward_backward``: ``--fwdbwd`` requests of 8
+addition-sized data through HTTP (JSON, tinker 0.21's format: POST + ``retrieve_future``) against
+the bare training step (``Engine.forward_backward`` on the same request in this process, one
+torch thread like the server), interleaved one by one so both see the same load (the 2 cores are
+shared: ``loadavg`` is recorded). ``http_overhead_p50_ms`` = HTTP p50 - bare p50 (and p99).
 """
 
 from __future__ import annotations
@@ -45,28 +48,61 @@ RUN_TIMEOUT_S = 1800
 RL_LR = 1e-3  # the acceptance tests' (tests/service/test_clients.py)
 
 
-def start_server(tmp: Path, keys: dict[str, str]) -> tuple[subprocess.Popen, str]:
+SWARM_RANK = 8  # the client scripts' LoRA rank: the swarm samples adapters of this shape only
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def start_server(tmp: Path, keys: dict[str, str], nodes: int) -> tuple[list[subprocess.Popen], str, str]:
+    """The server (with ``--swarm`` when ``nodes``) and its nodes; (processes, URL, swarm address)."""
     (tmp / "keys.txt").write_text("".join(f"{k} {u}\n" for u, k in keys.items()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "echorl.cli.main", "serve", "--api-keys", str(tmp / "keys.txt"), "--port", "0"]
     cmd += ["--state-dir", str(tmp / "state"), "--threads", "1"]
+    if nodes:
+        cmd += ["--swarm", "--swarm-lora-rank", str(SWARM_RANK), "--swarm-max-tokens", "16", "--run-id", "bench"]
     with open(tmp / "serve.log", "w") as log:  # the child holds its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = proc.stdout.readline() if proc.stdout else ""
         if line.startswith("echorl serve: "):
-            return proc, line.split()[2]
+            addr = next((w.removeprefix("swarm=") for w in line.split() if w.startswith("swarm=")), "")
+            procs = [proc]
+            for i in range(nodes):
+                node = [sys.executable, "-m", "echorl.cli", "node", "--bootstrap", addr, "--run-id", "bench"]
+                node += ["--key", str(tmp / f"n{i}.key"), "--state-dir", str(tmp / f"n{i}")]
+                with open(tmp / f"n{i}.log", "w") as nlog:
+                    procs.append(subprocess.Popen(node, stdout=nlog, stderr=subprocess.STDOUT, env=ENV))
+            return procs, line.split()[2], addr
         if not line and proc.poll() is not None:
             break
     proc.kill()
     raise SystemExit(f"echorl serve did not start:\n{(tmp / 'serve.log').read_text()[-3000:]}")
 
 
+def nodes_sampling(addr: str) -> int:
+    """Nodes with an accepted submission (``echorl status --bootstrap``); 0 without a swarm."""
+    if not addr:
+        return 0
+    cmd = [sys.executable, "-m", "echorl.cli", "status", "--bootstrap", addr, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(f"echorl status failed: {out.stderr[-2000:]}")
+    return sum(p["submissions_accepted"] > 0 for p in json.loads(out.stdout)["peers"])
+
+
+def sampled(url: str, key: str) -> tuple[int, int]:
+    """A key's tokens sampled and, of those, by nodes (its sessions' usage)."""
+    import httpx
+
+    rows = httpx.get(url + "/api/v1/echorl/usage", headers={"X-API-Key": key}, timeout=30).json()["sessions"]
+    return sum(r["tokens_sampled"] for r in rows), sum(r["tokens_sampled_by_nodes"] for r in rows)
+
+
 def run_client(url: str, key: str, client: str, venv: Path, args: list[str]) -> dict:
     prefix = "LOGITS" if client == "logits" else "TINKER"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({f"{prefix}_BASE_URL": url, f"{prefix}_API_KEY": key, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"})
+    env["ECHORL_UNSEEDED"] = "1"
     t0 = time.monotonic()
     out = subprocess.run(
         [str(venv / "bin" / "python"), *args],
@@ -122,7 +158,29 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int) -> dict:
+def sample_rate(raw: Raw, sampler: str, n: int, seed: int | None) -> float:
+    """Tokens/s of ``n`` requests of 8 x 16 tokens sent at once (``seed``: the server samples them)."""
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [20, 21, 22, 23]}]}
+    params = {"max_tokens": 16, "temperature": 1.0, "seed": seed}
+    t0 = time.perf_counter()
+    futs = [
+        raw.post(
+            "/api/v1/asample",
+            {
+                "sampling_session_id": sampler,
+                "seq_id": i,
+                "num_samples": 8,
+                "prompt": prompt,
+                "sampling_params": params,
+            },
+        )
+        for i in range(n)
+    ]
+    tokens = sum(len(s["tokens"]) for f in futs for s in raw.result(f)["sequences"])
+    return round(tokens / (time.perf_counter() - t0), 1)
+
+
+def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int, swarm: bool) -> dict:
     import torch
 
     from echorl.actor.model import default_model
@@ -146,29 +204,14 @@ def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int) -> dict:
         t0 = time.perf_counter()
         engine.forward_backward("bare", bare_req)
         bare_ms.append((time.perf_counter() - t0) * 1e3)
-    sampler = raw.post(
-        "/api/v1/create_sampling_session",
-        {"session_id": raw.session, "sampling_session_seq_id": 0, "base_model": "echorl-tiny"},
-    )["sampling_session_id"]
-    prompt = {"chunks": [{"type": "encoded_text", "tokens": [20, 21, 22, 23]}]}
-    params = {"max_tokens": 16, "temperature": 1.0}
-    tokens, t0 = 0, time.perf_counter()
-    for i in range(n_samples):
-        fut = raw.post(
-            "/api/v1/asample",
-            {
-                "sampling_session_id": sampler,
-                "seq_id": i,
-                "num_samples": 8,
-                "prompt": prompt,
-                "sampling_params": params,
-            },
-        )
-        tokens += sum(len(s["tokens"]) for s in raw.result(fut)["sequences"])
-    sample_s = time.perf_counter() - t0
+    body = {"session_id": raw.session, "model_seq_id": 1, "base_model": "echorl-tiny"}
+    swarm_model = raw.result(raw.post("/api/v1/create_model", {**body, "lora_config": {"rank": SWARM_RANK}}))
+    sampler = raw.result(raw.post("/api/v1/save_weights_for_sampler", {"model_id": swarm_model["model_id"]}))
+    swarm_rate = sample_rate(raw, sampler["sampling_session_id"], n_samples, seed=None) if swarm else None
+    learner_rate = sample_rate(raw, sampler["sampling_session_id"], n_samples, seed=1)
     return {
-        "learner_tokens_per_s": round(tokens / sample_s, 1),
-        "swarm_tokens_per_s": None,
+        "learner_tokens_per_s": learner_rate,
+        "swarm_tokens_per_s": swarm_rate,
         "fwdbwd_requests": n_fwdbwd,
         "http_fwdbwd_p50_ms": round(pct(http_ms, 0.5), 2),
         "http_fwdbwd_p99_ms": round(pct(http_ms, 0.99), 2),
@@ -187,6 +230,7 @@ def main() -> None:
     p.add_argument("--rl-steps", type=int, default=10, help="RL batches (8 prompts x 8 samples) per client")
     p.add_argument("--fwdbwd", type=int, default=30, help="forward_backward requests timed, HTTP vs bare")
     p.add_argument("--samples", type=int, default=10, help="sample requests (8 x 16 tokens) timed")
+    p.add_argument("--nodes", type=int, default=2, help="echorl node processes sampling for the server (0: no swarm)")
     p.add_argument("--clients", default="tinker,logits", help="which clients to run (comma-separated)")
     p.add_argument("--venvs", default=str(ROOT), help="folder holding .venv-tinker and .venv-logits")
     args = p.parse_args()
@@ -195,7 +239,7 @@ def main() -> None:
     keys = {user: f"tml-{secrets.token_hex(16)}" for user in ("tinker", "logits")}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        proc, url = start_server(tmp, keys)
+        procs, url, addr = start_server(tmp, keys, args.nodes)
         try:
             for client in [c for c in args.clients.split(",") if c]:
                 venv = Path(args.venvs) / f".venv-{client}"
@@ -215,16 +259,23 @@ def main() -> None:
                     else ["rl_plain.py", client, str(default_model()), str(args.rl_steps), str(RL_LR)],
                 }
                 for loop, cmd in loops.items():
+                    before = sampled(url, keys[client])
                     out = run_client(url, keys[client], client, venv, cmd)
-                    emit({"client": client, "loop": loop, **out, "nodes_sampling": 0}, args.json)
-            figures = measure_http(url, keys["tinker"], args.fwdbwd, args.samples)
+                    (tokens, by_nodes), share = sampled(url, keys[client]), None
+                    if tokens > before[0]:
+                        share = round((by_nodes - before[1]) / (tokens - before[0]), 3)
+                    line = {"client": client, "loop": loop, **out, "nodes_sampling": nodes_sampling(addr)}
+                    emit({**line, "node_token_share": share}, args.json)
+            figures = measure_http(url, keys["tinker"], args.fwdbwd, args.samples, bool(addr))
             emit({"bench": "service", **figures, "loadavg": [round(x, 2) for x in os.getloadavg()]}, args.json)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "rl": {"protocol", "tasks", "actor", "common"},
     "learner": {"protocol", "net", "broadcast", "actor", "tasks", "rl", "common"},
     "node": {"protocol", "net", "broadcast", "actor", "tasks", "common"},
-    "service": {"protocol", "net", "actor", "tasks", "rl", "common"},
+    "service": {"protocol", "net", "broadcast", "actor", "tasks", "rl", "learner", "common"},  # --swarm: a learner peer
     "cli": {"protocol", "net", "broadcast", "actor", "tasks", "rl", "learner", "node", "service", "common"},
 }
 #: modules whose import means "I open sockets / speak libp2p": only ``echorl/net`` may

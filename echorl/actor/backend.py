@@ -37,13 +37,14 @@ class InferenceBackend(Protocol):
 
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[str] | list[list[int]],
         group_size: int,
         params: SamplingParams,
         seed: int | None = None,
         sampling_seed: int | None = None,
     ) -> list[list[Sample]]:
-        """``group_size`` samples for each prompt, in prompt order; ``sampling_seed`` (a lease's):
+        """``group_size`` samples for each prompt (text, or token ids used as given), in prompt
+        order; ``sampling_seed`` (a lease's):
         seeded Gumbel-max sampling (``actor/seeded.py``), sample ``k·G + j`` for draw j of prompt k."""
         ...
 
@@ -128,16 +129,17 @@ class TorchBackend:
 
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[str] | list[list[int]],
         group_size: int,
         params: SamplingParams,
         seed: int | None = None,
         sampling_seed: int | None = None,
     ) -> list[list[Sample]]:
-        """Sample ``group_size`` completions per prompt in one batch. ``seed`` makes the
-        sampling reproducible (a private generator; the global RNG is untouched);
-        ``sampling_seed`` makes it seeded (replayable by the learner, ``actor/seeded.py``)."""
-        ids = [self.encode(p) for p in prompts]
+        """Sample ``group_size`` completions per prompt in one batch (a prompt is text, or token
+        ids used as given). ``seed`` makes the sampling reproducible (a private generator; the
+        global RNG is untouched); ``sampling_seed`` makes it seeded (replayable by the learner,
+        ``actor/seeded.py``)."""
+        ids = [list(p) if isinstance(p, list) else self.encode(p) for p in prompts]
         flat = [row for row in ids for _ in range(group_size)]
         seeded = None
         if sampling_seed is not None:

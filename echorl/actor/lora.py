@@ -163,7 +163,8 @@ def adapter_state(model: Any) -> dict[str, Any]:
     """Detached CPU copies of the adapter's tensors under peft's names (``adapter_model.safetensors``)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu").clone() for k, v in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)  # never the base's embeddings
+    return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
 def load_adapter(model: Any, state: Mapping[str, Any]) -> None:
@@ -172,7 +173,7 @@ def load_adapter(model: Any, state: Mapping[str, Any]) -> None:
     import torch
     from peft import get_peft_model_state_dict
 
-    live = get_peft_model_state_dict(model)  # views of the adapter's parameters, by peft's names
+    live = get_peft_model_state_dict(model, save_embedding_layers=False)  # views of the adapter's parameters
     missing = sorted(set(live) - set(state))
     unexpected = sorted(set(state) - set(live))
     if missing or unexpected:

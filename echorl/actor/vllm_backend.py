@@ -196,19 +196,22 @@ class VLLMBackend:
 
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[str] | list[list[int]],
         group_size: int,
         params: SamplingParams,
         seed: int | None = None,
         sampling_seed: int | None = None,
     ) -> list[list[Sample]]:
-        """``group_size`` samples per prompt: one vLLM request with ``n = group_size`` each.
+        """``group_size`` samples per prompt (text, or token ids used as given): one vLLM request
+        with ``n = group_size`` each.
         Seeded sampling (a lease's ``sampling_seed``) is not wired into vLLM yet: the rule exists
         as ``actor/seeded.py:VLLMSeededProcessor`` (unrun: no GPU here), but vLLM's V1 engine has
         no per-request logits processors and reports processed log-probs; so this refuses rather
         than sample with noise the learner's replay would reject."""
         _refuse_seeded(sampling_seed)
-        return self._run([self.encode(p) for p in prompts], params, group_size, seed)
+        return self._run(
+            [list(p) if isinstance(p, list) else self.encode(p) for p in prompts], params, group_size, seed
+        )
 
     def sample_ids(
         self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None = None, seeded: Any = None

@@ -25,6 +25,7 @@ COLUMNS = (
     ("models", "models"),
     ("requests", "requests"),
     ("sampled", "tokens_sampled"),
+    ("by nodes", "tokens_sampled_by_nodes"),
     ("trained", "tokens_trained"),
     ("forward", "tokens_forward"),
     ("compute s", "compute_s"),

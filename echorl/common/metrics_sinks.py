@@ -269,12 +269,26 @@ SERVE_SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("sessions_live", "echorl_serve_sessions", "gauge", "sessions open now"),
     ("requests", "echorl_serve_requests_total", "counter", "training and sampling requests completed"),
     ("tokens_sampled", "echorl_serve_tokens_sampled_total", "counter", "tokens sampled"),
+    (
+        "tokens_sampled_by_nodes",
+        "echorl_serve_tokens_sampled_by_nodes_total",
+        "counter",
+        "of those, tokens sampled by swarm nodes (--swarm)",
+    ),
     ("tokens_trained", "echorl_serve_tokens_trained_total", "counter", "tokens through forward_backward"),
     ("tokens_forward", "echorl_serve_tokens_forward_total", "counter", "tokens through forward (no gradient)"),
     ("compute_s", "echorl_serve_compute_seconds_total", "counter", "seconds the worker spent on requests"),
     ("cost", "echorl_serve_cost_total", "counter", "compute seconds priced per hour (--price-per-hour)"),
 )
-SERVE_USAGE_KEYS = ("requests", "tokens_sampled", "tokens_trained", "tokens_forward", "compute_s", "cost")
+SERVE_USAGE_KEYS = (
+    "requests",
+    "tokens_sampled",
+    "tokens_sampled_by_nodes",
+    "tokens_trained",
+    "tokens_forward",
+    "compute_s",
+    "cost",
+)
 """Each is also exported per live session (``session_<key>``, label ``session``) and per user
 (``user_<key>``, label ``user``)."""
 SERVE_LABELLED: tuple[tuple[str, str, str, str, str], ...] = tuple(

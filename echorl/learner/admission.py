@@ -387,7 +387,7 @@ def convert_submission(
                     reward=float(s.reward_hint) if episodic else None,
                 )
             )
-        ids = list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+        ids = prompt.token_ids or list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
         out.append(
             ActorGroup(
                 prompt.prompt_id,

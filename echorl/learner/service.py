@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 
 DeferReason = Literal["weights_too_old", "weights_unknown", "paced", "stopping", "standby"]
 """Why a lease request is answered ``LeaseDeferred`` (the message's ``reason``)."""
+NO_WORK_RETRY_S = 0.5
+"""When a node asks again after an empty prompt source (sampling requests come when clients send
+them: short, so a request waits little for a node; each ask is one small stream)."""
 DEFAULT_SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, stop=[])
 """What leases ask for when the caller gives no sampling spec (tests; the learner passes the loop's)."""
 
@@ -307,6 +310,8 @@ class LearnerService:
         if n <= 0:
             return self._wait(ctx.peer_id, "paced", self.admission.retry_s(ctx.peer_id, now), now)
         prompts = self.buffer.next_prompts(self.task, self.admission.pace.sized(ctx.peer_id, n))
+        if not prompts:  # a source that can run dry (``echorl serve``'s sampling requests): ask again soon
+            return self._wait(ctx.peer_id, "paced", NO_WORK_RETRY_S, now)
         timeout_s = self.admission.deadline(
             ctx.peer_id,
             n,
@@ -324,7 +329,10 @@ class LearnerService:
             lease_id=rec.lease_id,
             run_id=self.run_id,
             prompts=[
-                LeasePrompt(prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p)) for p in prompts
+                LeasePrompt(
+                    prompt_id=p.prompt_id, text=p.text, episode=episode_spec(self.task, p), token_ids=p.token_ids
+                )
+                for p in prompts
             ],
             group_size=s.group_size,
             sampling=self.sampling,

@@ -105,7 +105,11 @@ async def generate_and_submit(host: Any, state: NodeState, lease: Any) -> Any:
     episode = lease.prompts[0].episode
     if episode is None:
         version, incarnation, groups = await state.weights.generate(
-            [p.text for p in lease.prompts], lease.group_size, params, None, lease.sampling_seed
+            [p.text if p.token_ids is None else list(p.token_ids) for p in lease.prompts],
+            lease.group_size,
+            params,
+            None,
+            lease.sampling_seed,
         )
     else:
         from echorl.actor.episodes import run_episodes

@@ -24,6 +24,9 @@ MAX_GROUP_SIZE = 64
 MAX_ROLLOUTS_PER_SUBMIT = MAX_PROMPTS_PER_LEASE * MAX_GROUP_SIZE
 #: Tokens of one completion (of an episode: its whole transcript after the prompt).
 MAX_COMPLETION_TOKENS = 32 * KiB
+#: Tokens of one prompt given as token ids (a sampling request of ``echorl serve``): a lease of
+#: MAX_PROMPTS_PER_LEASE of them stays under MAX_FRAME_BYTES (≤ 5 B a token id in msgpack).
+MAX_PROMPT_TOKENS = 8 * KiB
 #: Model turns of one episode.
 MAX_EPISODE_TURNS = 256
 #: Tensors in one manifest; dims of one tensor.

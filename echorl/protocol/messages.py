@@ -122,10 +122,12 @@ class EpisodeSpec(WireModel):
 
 
 class LeasePrompt(OptionalFieldsModel):
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("episode",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("episode", "token_ids")
     prompt_id: Name
     text: Text  # an episode's first observation
     episode: EpisodeSpec | None = None  # set: run G episodes of this seed instead of G completions
+    # set: the prompt is these token ids, used as given (``echorl serve``'s sampling requests; ``text`` is "")
+    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=limits.MAX_PROMPT_TOKENS)] | None = None
 
 
 class LeaseRequest(Message, OptionalFieldsModel):

@@ -55,7 +55,9 @@ class StalenessBuffer:
     recomputes every accepted group's rewards (the actor's rewards are only a hint).
     ``group_scorer(prompt, group)`` replaces it for episodic tasks (``learner/replay.py``: it
     replays the episodes and raises ``ReplayMismatch`` on a forged one). ``batch``: the groups
-    each step takes (0: learnt from the first :meth:`take`), for :meth:`trains_at`."""
+    each step takes (0: learnt from the first :meth:`take`), for :meth:`trains_at`.
+    ``consumer``: accepted groups go to it at once instead of waiting for a batch (``echorl
+    serve``'s sampling requests, which nothing trains on)."""
 
     def __init__(
         self,
@@ -63,13 +65,16 @@ class StalenessBuffer:
         scorer: Scorer | None = None,
         group_scorer: GroupScorer | None = None,
         batch: int = 0,
+        consumer: Callable[[RolloutGroup], None] | None = None,
     ) -> None:
         self.rule = StalenessRule(int(staleness))  # raises on a negative bound
         self.staleness = self.rule.bound
         self.scorer = scorer
         self.group_scorer = group_scorer
+        self.consumer = consumer
         self.outstanding: dict[str, Prompt] = {}
         self.requeued: deque[Prompt] = deque()
+        self._withdrawn: set[str] = set()  # withdrawn while out on a lease (:meth:`withdraw`)
         self._ready: deque[RolloutGroup] = deque()
         self._prompts: dict[str, Prompt] = {}  # prompts of buffered (accepted, unused) groups
         self.rollouts_accepted = 0
@@ -105,7 +110,20 @@ class StalenessBuffer:
         """Hand prompts back (expired lease): they are served again before fresh ones."""
         for p in prompts:
             self.outstanding.pop(p.prompt_id, None)
+            if p.prompt_id in self._withdrawn:
+                self._withdrawn.discard(p.prompt_id)
+                continue
             self.requeued.append(p)
+
+    def withdraw(self, prompt_ids: set[str]) -> None:
+        """Forget prompts no longer wanted (a sampling request the server answered itself): out of
+        the queue and the outstanding set, so a late group for one is refused as unknown, and one
+        out on a lease does not come back when the lease expires or is returned."""
+        for pid in prompt_ids:
+            if self.outstanding.pop(pid, None) is not None:
+                self._withdrawn.add(pid)  # until its lease ends: requeue or a late group clears it
+        if any(p.prompt_id in prompt_ids for p in self.requeued):
+            self.requeued = deque(p for p in self.requeued if p.prompt_id not in prompt_ids)
 
     def pending_prompts(self) -> list[Prompt]:
         """Prompts not yet trained on: re-queued, outstanding and buffered (for checkpoints)."""
@@ -143,6 +161,7 @@ class StalenessBuffer:
         ``score`` if already computed, else the scorer runs here."""
         prompt = self.outstanding.get(group.prompt_id)
         if prompt is None:
+            self._withdrawn.discard(group.prompt_id)
             self.rollouts_rejected_unknown += 1
             return Verdict.REJECTED_UNKNOWN
         if (
@@ -170,6 +189,9 @@ class StalenessBuffer:
         del self.outstanding[group.prompt_id]
         if rewards is not None:
             group.rewards = list(rewards)
+        if self.consumer is not None:
+            self.consumer(group)
+            return Verdict.ACCEPTED
         self._prompts[group.prompt_id] = prompt
         self._ready.append(group)
         return Verdict.ACCEPTED

@@ -13,8 +13,10 @@ samples, all through futures it polls. What each file holds:
 - ``losses.py``: ``cross_entropy``, ``importance_sampling``, ``ppo`` per token.
 - ``futures.py``: ``FutureBook`` (request ids, long-poll retrieval), ``Worker`` (jobs in order).
 - ``sessions.py``: API keys, ``SessionBook`` (ownership, heartbeats, expiry, per-session usage).
+- ``swarm.py``: ``Swarm`` (``--swarm``: the learner peer; snapshots published as adapter versions,
+  sampling requests leased to nodes under the learner's checks, a bounded wait, then the server).
 - ``wire.py``: request decoding (JSON and protobuf) and result encoding; ``proto.py``: the
   protobuf messages, declared in code.
 
-Imports ``actor``, ``rl``, ``net`` (the HTTP listener) and ``common``.
+Imports ``actor``, ``rl``, ``net``, ``common``, and with ``--swarm`` ``learner``, ``broadcast`` and ``protocol``.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echorl.actor.types import SamplingParams
 
@@ -22,16 +22,23 @@ from .engine import Engine, Snapshot
 from .futures import FutureBook, Job, UserError, Worker
 from .sessions import NotFound, Sampler, Session, SessionBook
 
+if TYPE_CHECKING:
+    from .swarm import Swarm
+
 SCHEMES = ("echorl://", "tinker://", "logits://")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PATH = re.compile(r"^(?P<model>s-[0-9a-f]{16}:train:\d{1,6})/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 
 
 class Api:
-    def __init__(self, cfg: ServeConfig, engine: Engine, model_name: str) -> None:
+    """``swarm``: sampling by volunteer nodes (``--swarm``, ``service/swarm.py``); None: the server
+    samples everything."""
+
+    def __init__(self, cfg: ServeConfig, engine: Engine, model_name: str, swarm: Swarm | None = None) -> None:
         self.cfg = cfg
         self.engine = engine
         self.model_name = model_name
+        self.swarm = swarm
         self.state_dir = Path(cfg.state_dir)
         self.sessions = SessionBook(
             cfg.max_sessions,
@@ -264,12 +271,18 @@ class Api:
         sampler_id = f"{s.ident}:sample:{s.sampler_seq}"
         s.sampler_seq += 1
 
+        made: list[Snapshot] = []
+
         def snap() -> dict[str, Any]:
-            sampler = Sampler(sampler_id, self.model_name, None, self.engine.snapshot(model_id, ident))
-            self.sessions.add_sampler(s, sampler)
+            made.append(self.engine.snapshot(model_id, ident))
+            self.sessions.add_sampler(s, Sampler(sampler_id, self.model_name, None, made[0]))
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-        return self._future(user, "json", snap, model_id=model_id)
+        def publish(result: Any, seconds: float) -> None:  # on the event loop, before the client hears
+            if self.swarm is not None and made:
+                self.swarm.offer(made[0])
+
+        return self._future(user, "json", snap, publish, model_id=model_id)
 
     def load_weights(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         src_model, src = self._resolve(user, str(body.get("path", "")))
@@ -311,6 +324,8 @@ class Api:
             snapshot = Snapshot(
                 self.engine.read_spec(src), load_file(str(src / "adapter.safetensors")), self._snapshots
             )
+            if self.swarm is not None:
+                self.swarm.offer(snapshot)
         else:
             self._base(str(body.get("base_model") or ""))
         sampler_id = f"{s.ident}:sample:{s.sampler_seq}"
@@ -360,6 +375,33 @@ class Api:
             raise UserError(f"the prompt must have 1..{self.limits.max_tokens_per_request} tokens")
         params, seed, stop_tokens = self._sampling_params(body.get("sampling_params"))
         want_plp = bool(body.get("prompt_logprobs"))
+
+        swarm = self.swarm
+        if swarm is not None and swarm.takes(snapshot, prompt, params, seed, want_plp):
+            fut = self.futures.create(user, "sample")
+
+            def done(seqs: list[wire.Sequence], missing: int) -> None:  # the swarm's answer, on the event loop
+                tokens = sum(len(q.tokens) for q in seqs)
+                if not missing:
+                    self.sessions.charge(s, 0.0, sampled=tokens, by_nodes=tokens)
+                    FutureBook.finish(fut, result=wire.SampleResult(sequences=seqs, prompt_logprobs=None))
+                    return
+
+                def rest() -> wire.SampleResult:  # what the swarm did not finish, sampled here
+                    more = self.engine.sample(snapshot, prompt, missing, params, seed, stop_tokens, False)
+                    return wire.SampleResult(sequences=seqs + more.sequences, prompt_logprobs=None)
+
+                def charged(result: wire.SampleResult, sec: float) -> None:
+                    total = sum(len(q.tokens) for q in result.sequences)
+                    self.sessions.charge(s, sec, sampled=total, by_nodes=tokens)
+
+                try:
+                    self.worker.submit(Job(future=fut, run=rest, after=charged))
+                except OverflowError:
+                    pass  # the future is finished with the queue's error
+
+            swarm.submit(fut.ident, prompt, n, params, stop_tokens, done)
+            return {"request_id": fut.ident, "sample_sequence_ids": [f"{fut.ident}:{i}" for i in range(n)]}
 
         def run() -> wire.SampleResult:
             return self.engine.sample(snapshot, prompt, n, params, seed, stop_tokens, want_plp)

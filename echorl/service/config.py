@@ -6,10 +6,44 @@ from typing import Literal
 
 from pydantic import Field
 
-from echorl.common.config import MetricsPort, ModelFields
+from echorl.common.config import MetricsPort, ModelFields, PeerFields
+from echorl.learner.config import ServiceFields
+from echorl.protocol import limits
 
 
-class ServeConfig(ModelFields):
+class SwarmFields(ServiceFields, PeerFields):
+    """Sampling by volunteer nodes (``--swarm``): the learner peer's settings (``echorl learner``'s
+    lease, admission, policing and roster flags, with defaults for sampling) and the swarm's own."""
+
+    swarm: bool = False
+    """also be a learner peer that volunteer nodes join (``echorl node --bootstrap <printed address>
+    --run-id <run id> --model <this base model's directory>``): sampling requests become leases
+    they serve, verified as rollouts are; without it the server samples everything"""
+    run_id: str = Field("echorl-serve", min_length=1, max_length=128)
+    """identity of the swarm nodes join (``echorl node --run-id``)"""
+    swarm_wait_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """a request the swarm has not finished after this long is finished by the server (so is every
+    request while no node is active)"""
+    swarm_lora_rank: int = Field(32, ge=1, le=limits.MAX_LORA_RANK)
+    """LoRA rank of the adapters the swarm samples with (the attention, MLP and unembedding
+    projections, the Tinker client's defaults); snapshots of any other shape are sampled by the server"""
+    swarm_temperature: float = Field(1.0, gt=0.0, le=100.0)
+    """the one temperature nodes sample at (the spot check replays it); other requests: the server"""
+    swarm_max_tokens: int = Field(256, ge=1, le=limits.MAX_COMPLETION_TOKENS)
+    """nodes sample to EOS or this many tokens, and each sample is cut to its request's max_tokens
+    and stops; a request for more is sampled by the server"""
+    swarm_broadcast_timeout_s: float = Field(60.0, gt=0.0, le=86_400.0)
+    """give up on a snapshot's broadcast after this long (nodes still missing it fetch it)"""
+    group_size: int = Field(4, ge=2, le=limits.MAX_GROUP_SIZE)
+    """samples per leased prompt (a request of n samples is ⌈n/G⌉ prompts; extra samples are unused)"""
+    prompts_per_step: int = Field(64, ge=1, le=100_000)
+    """prompts out to nodes at once (the in-flight bound with staleness 0)"""
+    spot_check_fraction: float = Field(1.0, ge=0.0, le=1.0)
+    """share of node submissions whose log-probs and seeded sampling are replayed before their
+    samples go to a client (1: every one)"""
+
+
+class ServeConfig(ModelFields, SwarmFields):
     """A Tinker-API endpoint over a base model this server holds."""
 
     api_keys: str = ""

@@ -2,9 +2,11 @@
 
 Startup: read the API key file (refused in one line, exit 2, if missing or malformed), load the
 base model (``--model``, default the shipped tiny model), then run on one trio loop: the HTTP
-endpoint (:mod:`echorl.net.http_server`), the compute worker, the session reaper and, with
-``--metrics-port``, the usage export (:mod:`echorl.service.accounting`). Prints one line with the
-URL and the model name that clients pass as ``base_model`` (and the ``/metrics`` URL).
+endpoint (:mod:`echorl.net.http_server`), the compute worker, the session reaper, with
+``--metrics-port`` the usage export (:mod:`echorl.service.accounting`) and with ``--swarm`` the
+learner peer nodes join (:mod:`echorl.service.swarm`). Prints one line with the URL and the model
+name that clients pass as ``base_model`` (and the ``/metrics`` URL, the swarm's bootstrap address
+and run id).
 """
 
 from __future__ import annotations
@@ -51,7 +53,14 @@ def build(cfg: ServeConfig):  # -> tuple[App, Api]; late imports: torch and the 
     model_dir = Path(cfg.model) if cfg.model else default_model()
     engine = Engine(model_dir, device=cfg.device, dtype=cfg.dtype)
     name = cfg.model_name or ("echorl-tiny" if not cfg.model else model_dir.resolve().name)
-    api = Api(cfg, engine, name)
+    swarm = None
+    if cfg.swarm:
+        from echorl.protocol.identity import Identity
+
+        from .swarm import Swarm
+
+        swarm = Swarm(cfg, engine, Identity.generate())
+    api = Api(cfg, engine, name, swarm)
     return App(api, keys), api
 
 
@@ -82,6 +91,8 @@ async def serve(cfg: ServeConfig, app, api, task_status=trio.TASK_STATUS_IGNORED
                 nursery.start_soon(accounting.export, api.sessions, sinks)
             urls = await nursery.start(serve_asgi, app.app, cfg.host, cfg.port)
             where = "".join(f" metrics=http://{s.server.server_address[0]}:{s.port}/metrics" for s in sinks)
+            if api.swarm is not None:  # nodes join it: echorl node --bootstrap ADDR --run-id RUN
+                where += f" swarm={await nursery.start(api.swarm.run)} run_id={cfg.run_id}"
             task_status.started(urls[0] + where)
     finally:
         for sink in sinks:

@@ -71,15 +71,19 @@ class Usage:
 
     requests: int = 0
     tokens_sampled: int = 0
+    tokens_sampled_by_nodes: int = 0  # of tokens_sampled: by swarm nodes (their pay is in the receipts)
     tokens_trained: int = 0
     tokens_forward: int = 0
     compute_s: float = 0.0
     cost: float = 0.0
 
-    def add(self, seconds: float, sampled: int, trained: int, forward: int, price_per_hour: float) -> None:
-        """One completed request."""
+    def add(
+        self, seconds: float, sampled: int, trained: int, forward: int, price_per_hour: float, by_nodes: int = 0
+    ) -> None:
+        """One completed request (``by_nodes``: of ``sampled``, the tokens swarm nodes sampled)."""
         self.requests += 1
         self.tokens_sampled += sampled
+        self.tokens_sampled_by_nodes += by_nodes
         self.tokens_trained += trained
         self.tokens_forward += forward
         self.compute_s += seconds
@@ -168,9 +172,11 @@ class SessionBook:
         s.last_seen = time.monotonic()
         return s, s.samplers[ident]
 
-    def charge(self, s: Session, seconds: float, sampled: int = 0, trained: int = 0, forward: int = 0) -> None:
-        s.usage.add(seconds, sampled, trained, forward, self.price_per_hour)
-        self.by_user.setdefault(s.user, Usage()).add(seconds, sampled, trained, forward, self.price_per_hour)
+    def charge(
+        self, s: Session, seconds: float, sampled: int = 0, trained: int = 0, forward: int = 0, by_nodes: int = 0
+    ) -> None:
+        s.usage.add(seconds, sampled, trained, forward, self.price_per_hour, by_nodes)
+        self.by_user.setdefault(s.user, Usage()).add(seconds, sampled, trained, forward, self.price_per_hour, by_nodes)
 
     def expired(self, now: float | None = None) -> list[Session]:
         """Sessions idle past ``ttl_s`` (or finished), removed from the book; the caller frees their models."""

@@ -21,13 +21,16 @@ class Prompt:
 
     ``prompt_id`` is unique within a run (the learner uses it to match results and to
     de-duplicate); ``answer`` and ``meta`` are what the verifier needs and are never shown to
-    the model. All fields are plain JSON/msgpack-friendly types.
+    the model. ``token_ids``: the prompt as token ids, used as given instead of tokenising
+    ``text`` (``echorl serve``'s sampling requests: Tinker prompts are token ids). All fields are
+    plain JSON/msgpack-friendly types.
     """
 
     prompt_id: str
     text: str
     answer: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,6 +42,7 @@ class Prompt:
             text=str(d["text"]),
             answer=str(d.get("answer", "")),
             meta=dict(d.get("meta") or {}),
+            token_ids=[int(t) for t in d["token_ids"]] if d.get("token_ids") else None,
         )
 
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from echorl.actor.model import default_model
@@ -76,6 +77,20 @@ def test_cookbook_rl_loop_reward_rises(server, tmp_path):
         server, "tinker", "cookbook_rl.py", str(default_model()), str(tmp_path / "log"), str(COOKBOOK_STEPS), str(RL_LR)
     )
     assert out["end"] > out["start"] + COOKBOOK_RISE, out
+
+
+def test_cookbook_rl_loop_samples_through_two_nodes(swarm_server, tmp_path):
+    """The same recipe against ``echorl serve --swarm``: its ``sample()`` calls become leases that
+    two node processes serve with each step's snapshot (a new adapter version a step), checked and
+    paid as rollouts are; the reward still rises, and most tokens were sampled by the nodes."""
+    args = (str(default_model()), str(tmp_path / "log"), str(COOKBOOK_STEPS), str(RL_LR))
+    out = _run(swarm_server, "tinker", "cookbook_rl.py", *args)
+    assert out["end"] > out["start"] + COOKBOOK_RISE, out
+    assert swarm_server.peers_served() == 2
+    url, key = swarm_server.url, swarm_server.keys["alice"]
+    sessions = httpx.get(url + "/api/v1/echorl/usage", headers={"X-API-Key": key}, timeout=30).json()["sessions"]
+    by_nodes, sampled = (sum(s[k] for s in sessions) for k in ("tokens_sampled_by_nodes", "tokens_sampled"))
+    assert by_nodes > 0.5 * sampled, sessions
 
 
 def test_logits_rl_loop_reward_rises(server):

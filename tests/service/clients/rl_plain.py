@@ -34,7 +34,10 @@ for step in range(steps):
     batch = rows[step * BATCH : (step + 1) * BATCH]
     # seeded per batch (the service's sampling is counter-based): the run repeats exactly, so the
     # test's 'reward rises' is one figure (0.245 -> 0.370), not a draw (unseeded: +0.047..+0.099)
-    params = types.SamplingParams(max_tokens=6, stop=[tokenizer.eos_token_id], seed=1000 + step)
+    # (ECHORL_UNSEEDED=1: no seed, so that `echorl serve --swarm` leases them to nodes: it never
+    # leases a seeded request, whose samples the client expects to repeat)
+    seed = None if os.environ.get("ECHORL_UNSEEDED") else 1000 + step
+    params = types.SamplingParams(max_tokens=6, stop=[tokenizer.eos_token_id], seed=seed)
     prompts = [types.ModelInput.from_ints(tokenizer.encode(prompt_text(q), add_special_tokens=False)) for q, _ in batch]
     futures = [sampler.sample(prompt=p, num_samples=GROUP, sampling_params=params) for p in prompts]
     data, batch_rewards = [], []

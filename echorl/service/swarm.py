@@ -1,0 +1,313 @@
+"""Sampling by the swarm (``echorl serve --swarm``): the service is also a learner peer, and a
+sampling client's requests become leases that volunteer nodes serve, verified as rollouts are.
+
+How a request travels (docs/service.md, "Sampling by the swarm"):
+
+1. **Snapshots are versions.** Each sampler snapshot of the swarm's adapter shape
+   (``--swarm-lora-rank``, the attention, MLP and unembedding projections: the Tinker client's
+   defaults) is published through the broadcast as the next adapter version over the base this
+   server holds (version 0: the bare base, a zero adapter). Nodes apply it to their own copy of the
+   base (``node/adapters.py``).
+2. **Exact weights.** The swarm's staleness bound is 0: a node is leased a request only while it
+   holds the newest version, and only requests pinned to that version are queued. A request for an
+   older snapshot (another session published since), for another adapter shape, with a seed,
+   another temperature, top-p, prompt log-probs, more than ``--swarm-max-tokens`` or a prompt over
+   ``MAX_PROMPT_TOKENS`` is sampled by the server, as is every request while no node is active.
+3. **Tokens in the lease.** A request of n samples is ⌈n/G⌉ prompts of G samples (the lease's
+   group size), each carrying the prompt's token ids (``LeasePrompt.token_ids``). Nodes sample to
+   EOS or ``--swarm-max-tokens``; the request's own ``max_tokens`` and stops cut each sample
+   afterwards (:func:`cut`), which is exact: sampling is left to right, so a prefix is the sample
+   the shorter request would have drawn.
+4. **The same checks.** Submissions go through ``LearnerService`` unchanged: signature, lease,
+   completion bounds, the spot check's log-prob recomputation and seeded replay (default: every
+   submission, ``--spot-check-fraction 1``), receipts. Samples reach the client only from an
+   accepted submission; a refused one's prompts are leased again.
+5. **Bounded wait.** A request not complete after ``--swarm-wait-s``, or whose version is no longer
+   the newest, is finished by the server: the missing samples are sampled there and the request's
+   late prompts withdrawn (a late group is refused as unknown, unpaid).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from echorl.actor.types import RolloutGroup, SamplingParams
+from echorl.protocol import limits
+from echorl.tasks.base import Prompt, Task
+
+from .wire import Sequence
+
+if TYPE_CHECKING:
+    from echorl.learner.service import LearnerService
+    from echorl.protocol.identity import Identity
+
+    from .config import ServeConfig
+    from .engine import Engine, LoraSpec, Snapshot
+
+log = logging.getLogger(__name__)
+TICK_S = 0.25
+"""How often waiting requests are held against their deadline and the newest version."""
+KEEP_VERSIONS = 64
+"""Snapshot → version entries remembered (only the newest is ever leased)."""
+
+Done = Callable[[list[Sequence], int], None]
+"""A request's end: the sequences nodes sampled (cut to the request) and how many are missing."""
+
+
+def cut(tokens: list[int], logprobs: list[float], params: SamplingParams, stop_tokens: set[int], decode) -> Sequence:
+    """A node's sample cut to the request: at its ``max_tokens`` (``length``), after an EOS or a
+    stop token, or after the token that completes a stop string (``stop``), as the server's own
+    sampler stops (``TorchBackend.sample_ids``, ``Engine.sample``)."""
+    for i, t in enumerate(tokens[: params.max_new_tokens]):
+        if t in stop_tokens or (params.stop and any(w in decode(tokens[: i + 1]) for w in params.stop)):
+            return Sequence(tokens=list(tokens[: i + 1]), logprobs=list(logprobs[: i + 1]), stop_reason="stop")
+    n = min(len(tokens), params.max_new_tokens)
+    return Sequence(tokens=list(tokens[:n]), logprobs=list(logprobs[:n]), stop_reason="length")
+
+
+@dataclass
+class SwarmRequest:
+    """One sampling request out to the swarm."""
+
+    ident: str
+    version: int
+    n: int
+    params: SamplingParams
+    stop_tokens: set[int]
+    deadline: float  # trio clock: then the server samples what is missing
+    done: Done
+    prompt_ids: set[str] = field(default_factory=set)
+    samples: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+
+class RequestQueue(Task):
+    """The lease service's prompt source: the prompts of waiting requests, oldest first (it runs
+    dry; the service then tells nodes to ask again soon). Nothing is scored: a sample's worth is
+    the client's business, its honesty the spot check's."""
+
+    name = "serve"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: deque[Prompt] = deque()
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        return [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
+
+    def withdraw(self, prompt_ids: set[str]) -> None:
+        if any(p.prompt_id in prompt_ids for p in self.waiting):
+            self.waiting = deque(p for p in self.waiting if p.prompt_id not in prompt_ids)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return []
+
+
+class Swarm:
+    """The service's learner peer (see the module docstring). ``version`` is the newest published
+    snapshot's; :meth:`offer` publishes a snapshot, :meth:`takes` says whether a request goes to the
+    swarm, :meth:`submit` queues it."""
+
+    def __init__(self, cfg: ServeConfig, engine: Engine, identity: Identity) -> None:
+        from echorl.actor import lora
+        from echorl.rl.buffer import StalenessBuffer
+
+        lora.weight_files(engine.model_dir)  # nodes check the base by its digest: safetensors only, said now
+        self.cfg, self.engine, self.identity = cfg, engine, identity
+        self.settings = cfg.model_copy(update={"staleness": 0})  # exact weights: see the module docstring
+        self.spec: LoraSpec = engine.lora_spec(cfg.swarm_lora_rank, cfg.lora_alpha, 0, True, True, True)
+        self.version = 0
+        self.queue = RequestQueue()
+        self.buffer = StalenessBuffer(0, consumer=self._deliver)
+        self.requests: dict[str, SwarmRequest] = {}
+        self._by_prompt: dict[str, SwarmRequest] = {}
+        self._versions: dict[int, int] = {}  # snapshot ident -> the version it was published as
+        self.service: LearnerService | None = None
+        self._publisher: Any = None
+        self.counters = {"requests_swarm": 0, "requests_finished_by_server": 0, "samples_from_nodes": 0}
+
+    # --- the event loop's side ----------------------------------------------------------------
+    def version_of(self, snap: Snapshot) -> int | None:
+        """The version a snapshot was published as (the bare base: 0), None if it never was."""
+        if snap.tensors is None:
+            return 0
+        return self._versions.get(snap.ident)
+
+    def offer(self, snap: Snapshot) -> None:
+        """Publish a new snapshot of the swarm's adapter shape as the next version; requests
+        pinned to the one before are finished by the server at the next tick."""
+        if self._publisher is None or snap.spec is None or snap.tensors is None or snap.spec.key() != self.spec.key():
+            return
+        self.version += 1
+        self._versions[snap.ident] = self.version
+        while len(self._versions) > KEEP_VERSIONS:
+            self._versions.pop(next(iter(self._versions)))
+        self._publisher.offer(self.version, {k: v.detach().to("cpu") for k, v in snap.tensors.items()})
+
+    def takes(self, snap: Snapshot, prompt: list[int], params: SamplingParams, seed: int | None, plp: bool) -> bool:
+        """Whether the swarm samples this request (module docstring, 2)."""
+        service = self.service
+        if service is None or not service.active_peers() or self.version_of(snap) != self.version:
+            return False
+        if seed is not None or plp or params.top_p != 1.0 or params.temperature != self.cfg.swarm_temperature:
+            return False
+        return params.max_new_tokens <= self.cfg.swarm_max_tokens and len(prompt) <= limits.MAX_PROMPT_TOKENS
+
+    def submit(
+        self, ident: str, prompt: list[int], n: int, params: SamplingParams, stop_tokens: list[int], done: Done
+    ) -> None:
+        """Queue a request the swarm :meth:`takes`; ``done`` is called once, on the event loop."""
+        eos = getattr(self.engine.tokenizer, "eos_token_id", None)
+        stops = set(stop_tokens) | ({eos} if isinstance(eos, int) else set(eos or ()))
+        deadline = trio.current_time() + self.cfg.swarm_wait_s
+        req = SwarmRequest(ident, self.version, n, params, stops, deadline, done)
+        for j in range(math.ceil(n / self.settings.group_size)):
+            p = Prompt(prompt_id=f"{ident}.{j}", text="", token_ids=list(prompt))
+            req.prompt_ids.add(p.prompt_id)
+            self._by_prompt[p.prompt_id] = req
+            self.queue.waiting.append(p)
+        self.requests[ident] = req
+        self.counters["requests_swarm"] += 1
+
+    def _deliver(self, group: RolloutGroup) -> None:
+        """An accepted group (``StalenessBuffer``'s consumer): its samples go to its request."""
+        req = self._by_prompt.pop(group.prompt_id, None)
+        if req is None or req.ident not in self.requests:
+            return
+        req.prompt_ids.discard(group.prompt_id)
+        req.samples.extend((list(s.token_ids), list(s.logprobs)) for s in group.samples)
+        if len(req.samples) >= req.n:
+            self._finish(req)
+
+    def _finish(self, req: SwarmRequest) -> None:
+        """End a request: the node samples it has (cut to it), the rest to be sampled by the server."""
+        del self.requests[req.ident]
+        for pid in req.prompt_ids:
+            self._by_prompt.pop(pid, None)
+        self.queue.withdraw(req.prompt_ids)
+        self.buffer.withdraw(req.prompt_ids)
+        decode = self._decode
+        seqs = [cut(t, lp, req.params, req.stop_tokens, decode) for t, lp in req.samples[: req.n]]
+        self.counters["samples_from_nodes"] += len(seqs)
+        if len(seqs) < req.n:
+            self.counters["requests_finished_by_server"] += 1
+        req.done(seqs, req.n - len(seqs))
+
+    def _decode(self, tokens: list[int]) -> str:
+        return str(self.engine.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    async def _expire(self) -> None:
+        """Forever: requests past their wait, or pinned to a version no longer the newest, are
+        finished by the server."""
+        while True:
+            await trio.sleep(TICK_S)
+            now = trio.current_time()
+            for req in [r for r in self.requests.values() if r.deadline <= now or r.version != self.version]:
+                self._finish(req)
+
+    def metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            **self.counters,
+            "swarm_version": self.version,
+            "swarm_requests_waiting": len(self.requests),
+        }
+        if self.service is not None:
+            out["swarm_nodes"] = len(self.service.active_peers())
+        return out
+
+    # --- the peer -----------------------------------------------------------------------------
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Host, DHT record, broadcaster, lease service and the zero adapter as version 0, until
+        cancelled; ``task_status`` gets the bootstrap address nodes join."""
+        from echorl.broadcast.broadcaster import Broadcaster
+        from echorl.learner.peers import PeerBook
+        from echorl.learner.publish import Publisher
+        from echorl.learner.service import LearnerService
+        from echorl.net.host import HostConfig, open_host
+        from echorl.net.membership import Membership
+        from echorl.net.transport import UploadLimiter
+        from echorl.protocol.messages import SamplingSpec
+
+        cfg = self.cfg
+        scratch, adapter, zero = await trio.to_thread.run_sync(self._scratch)
+        async with open_host(self.identity, HostConfig(listen=cfg.listen, announce=tuple(cfg.announce))) as host:
+            book = PeerBook()
+            bc = Broadcaster(
+                host,
+                self.identity,
+                cfg.run_id,
+                upload_limit=UploadLimiter.from_mbps(cfg.upload_mbps),
+                announce_timeout_s=5.0,
+                done_timeout_s=cfg.swarm_broadcast_timeout_s,
+                retain=1,
+                cache_bytes=int(cfg.chunk_cache_mb * 2**20),
+                admit=lambda pid: book.is_member(pid),
+                adapter=adapter,
+            )
+            spot = self._spot_checker(scratch, bc.version_bytes) if cfg.spot_check_fraction > 0 else None
+            sampling = SamplingSpec(
+                temperature=cfg.swarm_temperature, top_p=1.0, max_new_tokens=cfg.swarm_max_tokens, stop=[]
+            )
+            service = LearnerService(
+                self.identity,
+                cfg.run_id,
+                self.queue,
+                self.engine.tokenizer,
+                self.buffer,
+                self.settings,
+                int(self.engine.config.vocab_size),
+                sampling=sampling,
+                version=lambda: self.version,
+                spot=spot,
+                incarnation=bc.incarnation,
+                peers=book,
+            )
+            service.install(host)
+            membership = Membership(host, cfg.run_id, server=True)
+            membership.pin(host.peer_id)
+            async with trio.open_nursery() as nursery:
+                bc.install()
+                await nursery.start(bc.run)
+                publisher = Publisher(bc, service, timeout_s=cfg.swarm_broadcast_timeout_s)
+                await publisher.publish(0, zero)
+                nursery.start_soon(publisher.run)
+                await nursery.start(membership.run)
+                await membership.publish_learner_record(host.addrs)
+                nursery.start_soon(service.maintain)
+                nursery.start_soon(self._expire)
+                self.service, self._publisher = service, publisher
+                task_status.started(host.addrs[0])
+
+    def _scratch(self) -> tuple[Any, Any, dict[str, Any]]:
+        """The spot checker's model (a second copy of the base with the swarm's adapter, as a node
+        builds it), the ``AdapterSpec`` every manifest names, and the zero adapter (version 0)."""
+        from echorl.actor import lora
+        from echorl.actor.backend import TorchBackend
+
+        model_dir = Path(self.engine.model_dir)
+        base = TorchBackend.from_pretrained(model_dir, device=self.cfg.device, dtype="float32").model
+        settings = lora.LoraSettings(self.spec.rank, self.spec.alpha, 0.0, self.spec.targets)
+        model = lora.attach(base, settings).eval().requires_grad_(False)
+        zero = {k: v.zero_() if ".lora_B." in k else v for k, v in lora.adapter_state(model).items()}
+        return model, lora.adapter_spec(model, lora.base_digest(model_dir)), zero
+
+    def _spot_checker(self, scratch: Any, snapshots: Any) -> Any:
+        from echorl.learner.spot_check import SpotChecker
+
+        cfg = self.cfg
+        return SpotChecker(
+            lambda: scratch,
+            self.engine.tokenizer,
+            cfg.swarm_temperature,
+            cfg.spot_check_fraction,
+            snapshots,
+            tolerance_mean=cfg.spot_check_tolerance_mean,
+            tolerance_max=cfg.spot_check_tolerance_max,
+        )
