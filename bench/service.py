@@ -1,6 +1,6 @@
 """``echorl serve`` driven by the unmodified Tinker clients, sampling by the swarm, and the HTTP layer's cost.
 
-    python bench/service.py --json [--nodes 2] [--sup-steps 8] [--rl-steps 10] [--fwdbwd 30]
+    python bench/service.py --json [--nodes 2] [--together] [--model DIR] [--rl-steps 10] [--fwdbwd 30]
 
 Starts one ``echorl serve`` (loopback, any port, the default tiny model, ``--threads 1``) with
 ``--swarm`` and ``--nodes`` ``echorl node`` processes joined to it (0: no swarm), and runs, for each
@@ -12,6 +12,9 @@ loop on the public API, ``rl_plain.py``, unseeded so that the swarm takes its re
 per client and loop: ``client``, ``loop``, ``start``, ``end`` (loss, or mean reward of the first vs
 last batches), ``nodes_sampling`` (nodes with an accepted submission so far, from the swarm's
 status), ``node_token_share`` (of the loop's sampled tokens, those nodes sampled), ``seconds``.
+``--together`` then runs both clients' RL loops at once (two users, two adapters, one swarm:
+``rl_together`` lines); ``--model DIR`` serves another local model (SmolLM2: ``echorl
+import-gguf``) on the server and the nodes.
 
 The last line: ``swarm_tokens_per_s`` vs ``learner_tokens_per_s``: ``--samples`` requests of 8 x 16
 tokens sent at once on a fresh snapshot of the swarm's adapter shape, unseeded (the swarm takes
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,11 +56,14 @@ SWARM_RANK = 8  # the client scripts' LoRA rank: the swarm samples adapters of t
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def start_server(tmp: Path, keys: dict[str, str], nodes: int) -> tuple[list[subprocess.Popen], str, str]:
-    """The server (with ``--swarm`` when ``nodes``) and its nodes; (processes, URL, swarm address)."""
+def start_server(
+    tmp: Path, keys: dict[str, str], nodes: int, model: str
+) -> tuple[list[subprocess.Popen], str, str, str]:
+    """The server (with ``--swarm`` when ``nodes``) and its nodes, all on ``model`` (a directory;
+    "": the shipped tiny model); (processes, URL, swarm address, the served model's name)."""
     (tmp / "keys.txt").write_text("".join(f"{k} {u}\n" for u, k in keys.items()))
     cmd = [sys.executable, "-m", "echorl.cli.main", "serve", "--api-keys", str(tmp / "keys.txt"), "--port", "0"]
-    cmd += ["--state-dir", str(tmp / "state"), "--threads", "1"]
+    cmd += ["--state-dir", str(tmp / "state"), "--threads", "1", *(["--model", model] if model else [])]
     if nodes:
         cmd += ["--swarm", "--swarm-lora-rank", str(SWARM_RANK), "--swarm-max-tokens", "16", "--run-id", "bench"]
     with open(tmp / "serve.log", "w") as log:  # the child holds its own copy of the descriptor
@@ -70,9 +77,11 @@ def start_server(tmp: Path, keys: dict[str, str], nodes: int) -> tuple[list[subp
             for i in range(nodes):
                 node = [sys.executable, "-m", "echorl.cli", "node", "--bootstrap", addr, "--run-id", "bench"]
                 node += ["--key", str(tmp / f"n{i}.key"), "--state-dir", str(tmp / f"n{i}")]
+                node += ["--model", model] if model else []
                 with open(tmp / f"n{i}.log", "w") as nlog:
                     procs.append(subprocess.Popen(node, stdout=nlog, stderr=subprocess.STDOUT, env=ENV))
-            return procs, line.split()[2], addr
+            name = next(w.removeprefix("base_model=") for w in line.split() if w.startswith("base_model="))
+            return procs, line.split()[2], addr, name.strip("'\"")
         if not line and proc.poll() is not None:
             break
     proc.kill()
@@ -98,11 +107,11 @@ def sampled(url: str, key: str) -> tuple[int, int]:
     return sum(r["tokens_sampled"] for r in rows), sum(r["tokens_sampled_by_nodes"] for r in rows)
 
 
-def run_client(url: str, key: str, client: str, venv: Path, args: list[str]) -> dict:
+def run_client(url: str, key: str, client: str, venv: Path, args: list[str], base_model: str) -> dict:
     prefix = "LOGITS" if client == "logits" else "TINKER"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({f"{prefix}_BASE_URL": url, f"{prefix}_API_KEY": key, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"})
-    env["ECHORL_UNSEEDED"] = "1"
+    env.update(ECHORL_UNSEEDED="1", ECHORL_BASE_MODEL=base_model)
     t0 = time.monotonic()
     out = subprocess.run(
         [str(venv / "bin" / "python"), *args],
@@ -180,20 +189,19 @@ def sample_rate(raw: Raw, sampler: str, n: int, seed: int | None) -> float:
     return round(tokens / (time.perf_counter() - t0), 1)
 
 
-def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int, swarm: bool) -> dict:
+def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int, swarm: bool, model: Path, name: str) -> dict:
     import torch
 
-    from echorl.actor.model import default_model
     from echorl.service.engine import Engine
     from echorl.service.wire import Limits, fwdbwd_from_json
 
     torch.set_num_threads(1)
     raw = Raw(url, key)
-    body = {"session_id": raw.session, "model_seq_id": 0, "base_model": "echorl-tiny", "lora_config": {"rank": 8}}
+    body = {"session_id": raw.session, "model_seq_id": 0, "base_model": name, "lora_config": {"rank": 8}}
     model_id = raw.result(raw.post("/api/v1/create_model", body))["model_id"]
     data = [_datum([20 + (i + j) % 40 for j in range(14)]) for i in range(8)]
     req = {"model_id": model_id, "forward_backward_input": {"data": data, "loss_fn": "cross_entropy"}}
-    engine = Engine(default_model())
+    engine = Engine(model)
     engine.create("bare", engine.lora_spec(8, 32.0, 0, True, True, False))
     bare_req = fwdbwd_from_json(req, Limits(262_144, 4096), forward_only=False)
     http_ms, bare_ms = [], []
@@ -204,7 +212,7 @@ def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int, swarm: bool)
         t0 = time.perf_counter()
         engine.forward_backward("bare", bare_req)
         bare_ms.append((time.perf_counter() - t0) * 1e3)
-    body = {"session_id": raw.session, "model_seq_id": 1, "base_model": "echorl-tiny"}
+    body = {"session_id": raw.session, "model_seq_id": 1, "base_model": name}
     swarm_model = raw.result(raw.post("/api/v1/create_model", {**body, "lora_config": {"rank": SWARM_RANK}}))
     sampler = raw.result(raw.post("/api/v1/save_weights_for_sampler", {"model_id": swarm_model["model_id"]}))
     swarm_rate = sample_rate(raw, sampler["sampling_session_id"], n_samples, seed=None) if swarm else None
@@ -223,6 +231,26 @@ def measure_http(url: str, key: str, n_fwdbwd: int, n_samples: int, swarm: bool)
     }
 
 
+def loop_command(client: str, loop: str, model: Path, log_dir: Path, args: argparse.Namespace) -> list[str]:
+    """The client script of a loop (tests/service/clients) with its arguments."""
+    if loop == "supervised":
+        return ["supervised.py", client, str(args.sup_steps)]
+    if client == "tinker":
+        return ["cookbook_rl.py", str(model), str(log_dir), str(args.rl_steps), str(RL_LR)]
+    return ["rl_plain.py", client, str(model), str(args.rl_steps), str(RL_LR)]
+
+
+def measured_loop(url: str, key: str, client: str, venv: Path, cmd: list[str], name: str, addr: str, loop: str) -> dict:
+    """One loop's line: its figures, the nodes that served the swarm so far, and the share of the
+    key's sampled tokens during the loop that nodes sampled (None: it sampled nothing)."""
+    before = sampled(url, key)
+    out = run_client(url, key, client, venv, cmd, name)
+    (tokens, by_nodes), share = sampled(url, key), None
+    if tokens > before[0]:
+        share = round((by_nodes - before[1]) / (tokens - before[0]), 3)
+    return {"client": client, "loop": loop, **out, "nodes_sampling": nodes_sampling(addr), "node_token_share": share}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
@@ -230,8 +258,10 @@ def main() -> None:
     p.add_argument("--rl-steps", type=int, default=10, help="RL batches (8 prompts x 8 samples) per client")
     p.add_argument("--fwdbwd", type=int, default=30, help="forward_backward requests timed, HTTP vs bare")
     p.add_argument("--samples", type=int, default=10, help="sample requests (8 x 16 tokens) timed")
+    p.add_argument("--model", default="", help="a local Hugging Face model directory (default: the shipped tiny model)")
     p.add_argument("--nodes", type=int, default=2, help="echorl node processes sampling for the server (0: no swarm)")
     p.add_argument("--clients", default="tinker,logits", help="which clients to run (comma-separated)")
+    p.add_argument("--together", action="store_true", help="then both clients' RL loops at once (two users, one swarm)")
     p.add_argument("--venvs", default=str(ROOT), help="folder holding .venv-tinker and .venv-logits")
     args = p.parse_args()
     from echorl.actor.model import default_model
@@ -239,34 +269,37 @@ def main() -> None:
     keys = {user: f"tml-{secrets.token_hex(16)}" for user in ("tinker", "logits")}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        procs, url, addr = start_server(tmp, keys, args.nodes)
+        procs, url, addr, name = start_server(tmp, keys, args.nodes, args.model)
+        model = Path(args.model) if args.model else default_model()
         try:
-            for client in [c for c in args.clients.split(",") if c]:
+            clients = [c for c in args.clients.split(",") if c]
+            for client in clients:
                 venv = Path(args.venvs) / f".venv-{client}"
                 if not (venv / ".installed").exists():
                     emit({"client": client, "skipped": f"{venv} absent (make clients)"}, args.json)
                     continue
-                loops = {
-                    "supervised": ["supervised.py", client, str(args.sup_steps)],
-                    "rl": [
-                        "cookbook_rl.py",
-                        str(default_model()),
-                        str(tmp / "cookbook"),
-                        str(args.rl_steps),
-                        str(RL_LR),
+                for loop in ("supervised", "rl"):
+                    cmd = loop_command(client, loop, model, tmp / f"{client}-{loop}", args)
+                    emit(measured_loop(url, keys[client], client, venv, cmd, name, addr, loop), args.json)
+            if args.together and len(clients) > 1:  # two users' RL loops on one swarm at once
+                with ThreadPoolExecutor(len(clients)) as pool:
+                    runs = [
+                        pool.submit(
+                            measured_loop,
+                            url,
+                            keys[c],
+                            c,
+                            Path(args.venvs) / f".venv-{c}",
+                            loop_command(c, "rl", model, tmp / f"{c}-together", args),
+                            name,
+                            addr,
+                            "rl_together",
+                        )
+                        for c in clients
                     ]
-                    if client == "tinker"
-                    else ["rl_plain.py", client, str(default_model()), str(args.rl_steps), str(RL_LR)],
-                }
-                for loop, cmd in loops.items():
-                    before = sampled(url, keys[client])
-                    out = run_client(url, keys[client], client, venv, cmd)
-                    (tokens, by_nodes), share = sampled(url, keys[client]), None
-                    if tokens > before[0]:
-                        share = round((by_nodes - before[1]) / (tokens - before[0]), 3)
-                    line = {"client": client, "loop": loop, **out, "nodes_sampling": nodes_sampling(addr)}
-                    emit({**line, "node_token_share": share}, args.json)
-            figures = measure_http(url, keys["tinker"], args.fwdbwd, args.samples, bool(addr))
+                    for run in runs:
+                        emit(run.result(), args.json)
+            figures = measure_http(url, keys["tinker"], args.fwdbwd, args.samples, bool(addr), model, name)
             emit({"bench": "service", **figures, "loadavg": [round(x, 2) for x in os.getloadavg()]}, args.json)
         finally:
             for proc in procs:

@@ -34,6 +34,9 @@ class SwarmFields(ServiceFields, PeerFields):
     and stops; a request for more is sampled by the server"""
     swarm_broadcast_timeout_s: float = Field(60.0, gt=0.0, le=86_400.0)
     """give up on a snapshot's broadcast after this long (nodes still missing it fetch it)"""
+    staleness: int = Field(0, ge=0, le=0)
+    """always 0: a swarm lease names the newest snapshot, and only a node holding it is leased
+    (exact weights; a request for an older snapshot is sampled by the server)"""
     group_size: int = Field(4, ge=2, le=limits.MAX_GROUP_SIZE)
     """samples per leased prompt (a request of n samples is ⌈n/G⌉ prompts; extra samples are unused)"""
     prompts_per_step: int = Field(64, ge=1, le=100_000)

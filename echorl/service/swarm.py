@@ -121,7 +121,6 @@ class Swarm:
 
         lora.weight_files(engine.model_dir)  # nodes check the base by its digest: safetensors only, said now
         self.cfg, self.engine, self.identity = cfg, engine, identity
-        self.settings = cfg.model_copy(update={"staleness": 0})  # exact weights: see the module docstring
         self.spec: LoraSpec = engine.lora_spec(cfg.swarm_lora_rank, cfg.lora_alpha, 0, True, True, True)
         self.version = 0
         self.queue = RequestQueue()
@@ -168,7 +167,7 @@ class Swarm:
         stops = set(stop_tokens) | ({eos} if isinstance(eos, int) else set(eos or ()))
         deadline = trio.current_time() + self.cfg.swarm_wait_s
         req = SwarmRequest(ident, self.version, n, params, stops, deadline, done)
-        for j in range(math.ceil(n / self.settings.group_size)):
+        for j in range(math.ceil(n / self.cfg.group_size)):
             p = Prompt(prompt_id=f"{ident}.{j}", text="", token_ids=list(prompt))
             req.prompt_ids.add(p.prompt_id)
             self._by_prompt[p.prompt_id] = req
@@ -261,7 +260,7 @@ class Swarm:
                 self.queue,
                 self.engine.tokenizer,
                 self.buffer,
-                self.settings,
+                cfg,
                 int(self.engine.config.vocab_size),
                 sampling=sampling,
                 version=lambda: self.version,

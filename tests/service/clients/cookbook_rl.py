@@ -11,6 +11,7 @@ Prints ``{"start": mean reward of the first half of the batches, "end": of the s
 """
 
 import json
+import os
 import sys
 
 import datasets
@@ -49,7 +50,7 @@ rl_loop.get_reward = reward
 config = rl_loop.Config(
     base_url=None,
     log_path=log_dir,
-    model_name="echorl-tiny",
+    model_name=os.environ.get("ECHORL_BASE_MODEL", "echorl-tiny"),
     batch_size=BATCH,
     group_size=GROUP,
     learning_rate=float(sys.argv[4]) if len(sys.argv) > 4 else 2e-3,
