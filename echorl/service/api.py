@@ -400,7 +400,7 @@ class Api:
                 except OverflowError:
                     pass  # the future is finished with the queue's error
 
-            swarm.submit(fut.ident, prompt, n, params, stop_tokens, done)
+            swarm.submit(fut.ident, snapshot, prompt, n, params, stop_tokens, done)
             return {"request_id": fut.ident, "sample_sequence_ids": [f"{fut.ident}:{i}" for i in range(n)]}
 
         def run() -> wire.SampleResult:

@@ -3,16 +3,18 @@ sampling client's requests become leases that volunteer nodes serve, verified as
 
 How a request travels (docs/service.md, "Sampling by the swarm"):
 
-1. **Snapshots are versions.** Each sampler snapshot of the swarm's adapter shape
+1. **Snapshots are versions.** A sampler snapshot of the swarm's adapter shape
    (``--swarm-lora-rank``, the attention, MLP and unembedding projections: the Tinker client's
-   defaults) is published through the broadcast as the next adapter version over the base this
-   server holds (version 0: the bare base, a zero adapter). Nodes apply it to their own copy of the
-   base (``node/adapters.py``).
-2. **Exact weights.** The swarm's staleness bound is 0: a node is leased a request only while it
-   holds the newest version, and only requests pinned to that version are queued. A request for an
-   older snapshot (another session published since), for another adapter shape, with a seed,
-   another temperature, top-p, prompt log-probs, more than ``--swarm-max-tokens`` or a prompt over
-   ``MAX_PROMPT_TOKENS`` is sampled by the server, as is every request while no node is active.
+   defaults) is published through the broadcast as an adapter version over the base this server
+   holds (version 0: the bare base, a zero adapter). Nodes apply it to their own copy of the base
+   (``node/adapters.py``).
+2. **Exact weights, in turns.** The swarm's staleness bound is 0: nodes hold one version, the
+   newest, and only requests for its snapshot are leased. Requests for another snapshot (another
+   session's, or an older one) wait for their turn: once every leased request is done, the oldest
+   waiting request's snapshot is published as the next version and all requests for it are leased.
+   A new snapshot is published at once while nothing is leased. The server samples a request with
+   a seed, another temperature, top-p, prompt log-probs, more than ``--swarm-max-tokens``, a prompt
+   over ``MAX_PROMPT_TOKENS`` or another adapter shape, and every request while no node is active.
 3. **Tokens in the lease.** A request of n samples is ⌈n/G⌉ prompts of G samples (the lease's
    group size), each carrying the prompt's token ids (``LeasePrompt.token_ids``). Nodes sample to
    EOS or ``--swarm-max-tokens``; the request's own ``max_tokens`` and stops cut each sample
@@ -22,8 +24,8 @@ How a request travels (docs/service.md, "Sampling by the swarm"):
    completion bounds, the spot check's log-prob recomputation and seeded replay (default: every
    submission, ``--spot-check-fraction 1``), receipts. Samples reach the client only from an
    accepted submission; a refused one's prompts are leased again.
-5. **Bounded wait.** A request not complete after ``--swarm-wait-s``, or whose version is no longer
-   the newest, is finished by the server: the missing samples are sampled there and the request's
+5. **Bounded wait.** A request not complete after ``--swarm-wait-s`` (leased or still waiting for
+   its turn) is finished by the server: the missing samples are sampled there and the request's
    late prompts withdrawn (a late group is refused as unknown, unpaid).
 """
 
@@ -55,8 +57,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TICK_S = 0.25
 """How often waiting requests are held against their deadline and the newest version."""
-KEEP_VERSIONS = 64
-"""Snapshot → version entries remembered (only the newest is ever leased)."""
+KEEP_SNAPSHOTS = 16
+"""Snapshots kept for a turn (references to the sessions' own tensors; the oldest goes first)."""
 
 Done = Callable[[list[Sequence], int], None]
 """A request's end: the sequences nodes sampled (cut to the request) and how many are missing."""
@@ -78,12 +80,14 @@ class SwarmRequest:
     """One sampling request out to the swarm."""
 
     ident: str
-    version: int
+    key: int  # the snapshot it samples (``Swarm.key_of``)
+    prompt: list[int]
     n: int
     params: SamplingParams
     stop_tokens: set[int]
     deadline: float  # trio clock: then the server samples what is missing
     done: Done
+    version: int = -1  # the version its prompts were leased at; -1: waiting for its snapshot's turn
     prompt_ids: set[str] = field(default_factory=set)
     samples: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
@@ -112,8 +116,8 @@ class RequestQueue(Task):
 
 class Swarm:
     """The service's learner peer (see the module docstring). ``version`` is the newest published
-    snapshot's; :meth:`offer` publishes a snapshot, :meth:`takes` says whether a request goes to the
-    swarm, :meth:`submit` queues it."""
+    version, ``current`` the snapshot it holds; :meth:`offer` keeps a snapshot for its turn,
+    :meth:`takes` says whether a request goes to the swarm, :meth:`submit` takes it."""
 
     def __init__(self, cfg: ServeConfig, engine: Engine, identity: Identity) -> None:
         from echorl.actor import lora
@@ -123,57 +127,102 @@ class Swarm:
         self.cfg, self.engine, self.identity = cfg, engine, identity
         self.spec: LoraSpec = engine.lora_spec(cfg.swarm_lora_rank, cfg.lora_alpha, 0, True, True, True)
         self.version = 0
+        self.current = 0  # the snapshot (key) the newest version holds: 0, the bare base, at start
         self.queue = RequestQueue()
         self.buffer = StalenessBuffer(0, consumer=self._deliver)
-        self.requests: dict[str, SwarmRequest] = {}
+        self.requests: dict[str, SwarmRequest] = {}  # in arrival order: turns go oldest first
         self._by_prompt: dict[str, SwarmRequest] = {}
-        self._versions: dict[int, int] = {}  # snapshot ident -> the version it was published as
+        self._snaps: dict[int, dict[str, Any]] = {}  # key -> adapter tensors that may take a turn
         self.service: LearnerService | None = None
         self._publisher: Any = None
-        self.counters = {"requests_swarm": 0, "requests_finished_by_server": 0, "samples_from_nodes": 0}
+        self.counters = {"requests_swarm": 0, "requests_finished_by_server": 0, "samples_from_nodes": 0, "turns": 0}
 
     # --- the event loop's side ----------------------------------------------------------------
-    def version_of(self, snap: Snapshot) -> int | None:
-        """The version a snapshot was published as (the bare base: 0), None if it never was."""
-        if snap.tensors is None:
-            return 0
-        return self._versions.get(snap.ident)
+    @staticmethod
+    def key_of(snap: Snapshot) -> int:
+        """A snapshot's key: its ident (0: the bare base)."""
+        return snap.ident if snap.tensors is not None else 0
+
+    def _fits(self, snap: Snapshot) -> bool:
+        return snap.tensors is None or (snap.spec is not None and snap.spec.key() == self.spec.key())
 
     def offer(self, snap: Snapshot) -> None:
-        """Publish a new snapshot of the swarm's adapter shape as the next version; requests
-        pinned to the one before are finished by the server at the next tick."""
-        if self._publisher is None or snap.spec is None or snap.tensors is None or snap.spec.key() != self.spec.key():
+        """A new snapshot a request may name: kept for its turn, and published at once while the
+        swarm has nothing leased (so nodes hold it before its requests come)."""
+        if self._publisher is None or not self._fits(snap) or snap.tensors is None:
             return
-        self.version += 1
-        self._versions[snap.ident] = self.version
-        while len(self._versions) > KEEP_VERSIONS:
-            self._versions.pop(next(iter(self._versions)))
-        self._publisher.offer(self.version, {k: v.detach().to("cpu") for k, v in snap.tensors.items()})
+        self._snaps[self.key_of(snap)] = snap.tensors
+        while len(self._snaps) > KEEP_SNAPSHOTS:
+            self._snaps.pop(next(k for k in self._snaps if k not in (0, self.current)))
+        if not self._busy():
+            self._publish(self.key_of(snap))
 
     def takes(self, snap: Snapshot, prompt: list[int], params: SamplingParams, seed: int | None, plp: bool) -> bool:
         """Whether the swarm samples this request (module docstring, 2)."""
         service = self.service
-        if service is None or not service.active_peers() or self.version_of(snap) != self.version:
+        if service is None or not service.active_peers() or self.key_of(snap) not in self._snaps:
             return False
         if seed is not None or plp or params.top_p != 1.0 or params.temperature != self.cfg.swarm_temperature:
             return False
         return params.max_new_tokens <= self.cfg.swarm_max_tokens and len(prompt) <= limits.MAX_PROMPT_TOKENS
 
     def submit(
-        self, ident: str, prompt: list[int], n: int, params: SamplingParams, stop_tokens: list[int], done: Done
+        self,
+        ident: str,
+        snap: Snapshot,
+        prompt: list[int],
+        n: int,
+        params: SamplingParams,
+        stop_tokens: list[int],
+        done: Done,
     ) -> None:
-        """Queue a request the swarm :meth:`takes`; ``done`` is called once, on the event loop."""
+        """Take a request the swarm :meth:`takes` (leased now if its snapshot holds the turn and no
+        other waits, else at its turn); ``done`` is called once, on the event loop."""
         eos = getattr(self.engine.tokenizer, "eos_token_id", None)
         stops = set(stop_tokens) | ({eos} if isinstance(eos, int) else set(eos or ()))
         deadline = trio.current_time() + self.cfg.swarm_wait_s
-        req = SwarmRequest(ident, self.version, n, params, stops, deadline, done)
-        for j in range(math.ceil(n / self.cfg.group_size)):
-            p = Prompt(prompt_id=f"{ident}.{j}", text="", token_ids=list(prompt))
+        req = SwarmRequest(ident, self.key_of(snap), list(prompt), n, params, stops, deadline, done)
+        others = any(r.version < 0 for r in self.requests.values())
+        self.requests[ident] = req
+        self.counters["requests_swarm"] += 1
+        if req.key == self.current and not others:
+            self._lease(req)
+        self._turn()
+
+    def _lease(self, req: SwarmRequest) -> None:
+        """Queue a request's prompts (⌈n/G⌉, its token ids) at the current version."""
+        req.version = self.version
+        for j in range(math.ceil(req.n / self.cfg.group_size)):
+            p = Prompt(prompt_id=f"{req.ident}.{j}", text="", token_ids=req.prompt)
             req.prompt_ids.add(p.prompt_id)
             self._by_prompt[p.prompt_id] = req
             self.queue.waiting.append(p)
-        self.requests[ident] = req
-        self.counters["requests_swarm"] += 1
+
+    def _busy(self) -> bool:
+        """Whether requests leased at the current version are unfinished (the turn is theirs)."""
+        return any(r.version == self.version for r in self.requests.values())
+
+    def _turn(self) -> None:
+        """Once the current snapshot's requests are done: the oldest waiting request's snapshot takes
+        the turn (published as the next version unless it holds it) with every request for it."""
+        if self._busy():
+            return
+        waiting = [r for r in self.requests.values() if r.version < 0]
+        if not waiting:
+            return
+        key = waiting[0].key
+        if key != self.current:
+            self._publish(key)
+        for r in waiting:
+            if r.key == key:
+                self._lease(r)
+
+    def _publish(self, key: int) -> None:
+        """``key``'s adapter as the next version (a small broadcast: the adapter alone)."""
+        self.version += 1
+        self.current = key
+        self.counters["turns"] += 1
+        self._publisher.offer(self.version, {k: v.detach().to("cpu") for k, v in self._snaps[key].items()})
 
     def _deliver(self, group: RolloutGroup) -> None:
         """An accepted group (``StalenessBuffer``'s consumer): its samples go to its request."""
@@ -198,18 +247,20 @@ class Swarm:
         if len(seqs) < req.n:
             self.counters["requests_finished_by_server"] += 1
         req.done(seqs, req.n - len(seqs))
+        self._turn()
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.engine.tokenizer.decode(tokens, skip_special_tokens=True))
 
     async def _expire(self) -> None:
-        """Forever: requests past their wait, or pinned to a version no longer the newest, are
-        finished by the server."""
+        """Forever: requests past their wait (leased or waiting for their turn) are finished by
+        the server."""
         while True:
             await trio.sleep(TICK_S)
             now = trio.current_time()
-            for req in [r for r in self.requests.values() if r.deadline <= now or r.version != self.version]:
-                self._finish(req)
+            for req in [r for r in self.requests.values() if r.deadline <= now]:
+                if req.ident in self.requests:  # (a finish may start the next turn, never end another)
+                    self._finish(req)
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -275,6 +326,7 @@ class Swarm:
                 bc.install()
                 await nursery.start(bc.run)
                 publisher = Publisher(bc, service, timeout_s=cfg.swarm_broadcast_timeout_s)
+                self._snaps[0] = zero
                 await publisher.publish(0, zero)
                 nursery.start_soon(publisher.run)
                 await nursery.start(membership.run)

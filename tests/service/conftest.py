@@ -100,7 +100,7 @@ def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
 @pytest.fixture(scope="session")
 def swarm_server(tmp_path_factory):
     """``echorl serve --swarm`` (a short swarm wait and cap: the tests' requests are small) and two
-    ``echorl node`` processes that join it; yields once the server is up (the nodes join meanwhile)."""
+    ``echorl node`` processes; yields once both joined."""
     tmp = tmp_path_factory.mktemp("swarm")
     keys = {user: f"tml-{secrets.token_hex(16)}" for user in ("alice", "bob")}
     (tmp / "keys.txt").write_text("".join(f"{k} {u}\n" for u, k in keys.items()))
@@ -121,6 +121,10 @@ def swarm_server(tmp_path_factory):
             node = [sys.executable, "-m", "echorl.cli", "node", "--bootstrap", words["swarm"], "--run-id", "swarm-test"]
             node += ["--key", str(tmp / f"{name}.key"), "--state-dir", str(tmp / name)]
             procs.append(_spawn(node, tmp / f"{name}.log"))
+        while (tmp / "serve.log").read_text().count(" joined: ") < 2:  # both nodes are members
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail("the nodes did not join echorl serve --swarm:\n" + (tmp / "serve.log").read_text()[-3000:])
+            time.sleep(0.2)
         yield SwarmServer(line.split()[2], keys["alice"], keys, words["swarm"], tmp, procs)
     finally:
         stopper = Swarm(tmp)  # tests/swarm.py: SIGTERM, then kill what outlives the wait

@@ -1,11 +1,13 @@
 """The swarm's request book without the network (``service/swarm.py``): a request of n samples is
-⌈n/G⌉ token-id prompts; accepted groups fill it and it ends with exactly n samples cut to it; a
-request past its wait, or pinned to a version no longer the newest, is handed to the server with
-what it has; a withdrawn prompt out on a lease does not come back when the lease expires."""
+⌈n/G⌉ token-id prompts; accepted groups fill it and it ends with exactly n samples cut to it;
+requests for another snapshot wait for their turn, which comes when the leased ones are done; a
+request past its wait is handed to the server with what it has; a withdrawn prompt out on a lease
+does not come back when the lease expires."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -24,9 +26,28 @@ def engine():
     return Engine(default_model())
 
 
+class Published:
+    """The publisher's side: versions offered, in order."""
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    def offer(self, version, state) -> None:
+        self.versions.append(version)
+
+
 def _swarm(engine, **kw) -> Swarm:
     cfg = ServeConfig(swarm=True, group_size=2, swarm_wait_s=5.0, swarm_lora_rank=4, **kw)
-    return Swarm(cfg, engine, Identity.generate())
+    swarm = Swarm(cfg, engine, Identity.generate())
+    swarm._publisher, swarm._snaps[0] = Published(), {}
+    return swarm
+
+
+def _snap(engine, ident: int, rank: int = 4) -> Snapshot:
+    return Snapshot(engine.lora_spec(rank, 32.0, 0, True, True, True), {"w": torch.zeros(1)}, ident=ident)
+
+
+BASE = Snapshot(None, None)
 
 
 def _group(prompt: Prompt, tokens: list[list[int]], version: int = 0) -> RolloutGroup:
@@ -39,7 +60,7 @@ def test_a_request_is_token_prompts_filled_by_accepted_groups_and_cut_to_it(engi
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3, stop=[])
 
     async def main():
-        swarm.submit("r1", [20, 21, 22], 3, params, [], lambda seqs, missing: ended.append((seqs, missing)))
+        swarm.submit("r1", BASE, [20, 21, 22], 3, params, [], lambda seqs, missing: ended.append((seqs, missing)))
         prompts = swarm.buffer.next_prompts(swarm.queue, 8)
         assert [p.token_ids for p in prompts] == [[20, 21, 22]] * 2  # ⌈3/2⌉ prompts of G = 2
         assert swarm.buffer.offer(_group(prompts[0], [[30, 31, 32, 33], [34]]), 0) == Verdict.ACCEPTED
@@ -53,26 +74,49 @@ def test_a_request_is_token_prompts_filled_by_accepted_groups_and_cut_to_it(engi
     assert not swarm.requests and not swarm.buffer.outstanding
 
 
-def test_a_request_past_its_wait_or_its_version_goes_to_the_server_with_what_it_has(engine):
+def test_a_request_past_its_wait_goes_to_the_server_with_what_it_has(engine):
     swarm, ended = _swarm(engine), {}
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4, stop=[])
 
     async def main():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(swarm._expire)
-            swarm.submit("slow", [20], 4, params, [], lambda s, m: ended.setdefault("slow", (s, m)))
+            swarm.submit("slow", BASE, [20], 4, params, [], lambda s, m: ended.setdefault("slow", (s, m)))
             prompts = swarm.buffer.next_prompts(swarm.queue, 1)
             swarm.buffer.offer(_group(prompts[0], [[40], [41]]), 0)
             await trio.sleep(6.0)  # past swarm_wait_s
-            assert ended["slow"][1] == 2 and len(ended["slow"][0]) == 2
-            swarm.submit("old", [20], 2, params, [], lambda s, m: ended.setdefault("old", (s, m)))
-            swarm.version += 1  # a newer snapshot was published: exact weights only
-            await trio.sleep(1.0)
-            assert ended["old"] == ([], 2)
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ended["slow"][1] == 2 and len(ended["slow"][0]) == 2
     assert not swarm.queue.waiting and not swarm.buffer.requeued  # the unleased prompt is gone too
+
+
+def test_sessions_snapshots_take_turns_as_the_newest_version(engine):
+    swarm, ended = _swarm(engine), []
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4, stop=[])
+    a, b = _snap(engine, 1), _snap(engine, 2)
+
+    async def main():
+        swarm.offer(a)  # nothing leased: published at once (nodes load it before its requests)
+        assert (swarm.version, swarm.current, swarm._publisher.versions) == (1, 1, [1])
+        swarm.submit("a1", a, [20], 2, params, [], lambda s, m: ended.append(("a1", m)))
+        swarm.offer(b)  # a1 is leased at v1: b waits for its turn
+        assert swarm.version == 1 and b.ident in swarm._snaps
+        swarm.submit("b1", b, [21], 2, params, [], lambda s, m: ended.append(("b1", m)))
+        swarm.submit("a2", a, [22], 2, params, [], lambda s, m: ended.append(("a2", m)))  # behind b1: fair
+        leased = swarm.buffer.next_prompts(swarm.queue, 8)
+        assert [p.token_ids for p in leased] == [[20]]
+        swarm.buffer.offer(_group(leased[0], [[30], [31]], version=1), 1)  # a1 done: b's turn
+        assert (swarm.version, swarm.current, swarm._publisher.versions) == (2, 2, [1, 2])
+        leased = swarm.buffer.next_prompts(swarm.queue, 8)
+        assert [p.token_ids for p in leased] == [[21]]
+        swarm.buffer.offer(_group(leased[0], [[32], [33]], version=2), 2)  # b1 done: a's turn again
+        assert (swarm.version, swarm.current) == (3, 1)
+        assert [p.token_ids for p in swarm.buffer.next_prompts(swarm.queue, 8)] == [[22]]
+
+    trio.run(main)
+    assert ended == [("a1", 0), ("b1", 0)] and swarm.counters["turns"] == 3
 
 
 def test_a_withdrawn_prompt_on_a_lease_does_not_come_back():
@@ -86,17 +130,20 @@ def test_a_withdrawn_prompt_on_a_lease_does_not_come_back():
     assert not buffer._withdrawn  # both leases ended: nothing kept
 
 
-def test_only_the_newest_snapshot_of_the_swarms_shape_is_published_as_a_version(engine):
+def test_the_swarm_takes_only_what_it_can_sample_exactly(engine):
     swarm = _swarm(engine)
-    offered = []
-    swarm._publisher = type("P", (), {"offer": lambda self, v, state: offered.append(v)})()
-    fits = engine.lora_spec(4, swarm.cfg.lora_alpha, 0, True, True, True)
-    other = engine.lora_spec(8, swarm.cfg.lora_alpha, 0, True, True, True)
-    tensors = {"w": __import__("torch").zeros(1)}
-    swarm.offer(Snapshot(other, tensors, ident=1))
-    swarm.offer(Snapshot(fits, tensors, ident=2))
-    swarm.offer(Snapshot(fits, tensors, ident=3))
-    assert offered == [1, 2] and swarm.version == 2
-    assert swarm.version_of(Snapshot(fits, tensors, ident=2)) == 1  # leased no more: not the newest
-    assert swarm.version_of(Snapshot(other, tensors, ident=1)) is None
-    assert swarm.version_of(Snapshot(None, None)) == 0  # the bare base is version 0
+    swarm.service = type("S", (), {"active_peers": lambda self: ["a node"]})()
+    ok = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8, stop=["x"])
+    swarm.offer(_snap(engine, 1))
+    swarm.offer(_snap(engine, 2, rank=8))  # another adapter shape: never published
+    assert swarm._publisher.versions == [1]
+    assert swarm.takes(_snap(engine, 1), [1, 2], ok, None, False) and swarm.takes(BASE, [1], ok, None, False)
+    assert not swarm.takes(_snap(engine, 2, rank=8), [1], ok, None, False)
+    assert not swarm.takes(_snap(engine, 1), [1], ok, 7, False)  # a seed: the client expects it to repeat
+    assert not swarm.takes(_snap(engine, 1), [1], ok, None, True)  # prompt log-probs
+    hot = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=8, stop=[])
+    assert not swarm.takes(_snap(engine, 1), [1], hot, None, False)  # the spot check replays one temperature
+    long = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=swarm.cfg.swarm_max_tokens + 1, stop=[])
+    assert not swarm.takes(_snap(engine, 1), [1], long, None, False)
+    swarm.service = type("S", (), {"active_peers": lambda self: []})()
+    assert not swarm.takes(_snap(engine, 1), [1], ok, None, False)  # no node: the server

@@ -15,7 +15,7 @@ import os
 import sys
 
 import datasets
-from addition_env import problems, prompt_text, reward
+from addition_env import max_tokens, problems, prompt_ids, score
 from tinker import types
 from tinker_cookbook.recipes import rl_loop
 from transformers import AutoTokenizer
@@ -29,8 +29,7 @@ class AdditionRenderer:
     """What rl_loop asks of a renderer, for ``a+b=`` prompts of a character model."""
 
     def build_generation_prompt(self, convo):
-        text = prompt_text(convo[-1]["content"])
-        return types.ModelInput.from_ints(tokenizer.encode(text, add_special_tokens=False))
+        return types.ModelInput.from_ints(prompt_ids(tokenizer, convo[-1]["content"]))
 
     def get_stop_sequences(self):
         return [tokenizer.eos_token_id]
@@ -39,13 +38,13 @@ class AdditionRenderer:
         return {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}, True
 
 
-rows = problems(BATCH * steps, seed=7)
+rows = problems(BATCH * steps, seed=7, tokenizer=tokenizer)
 train = datasets.Dataset.from_dict({"question": [q for q, _ in rows], "answer": [a for _, a in rows]})
 datasets.load_dataset = lambda *a, **k: datasets.DatasetDict({"train": train})
 rl_loop.get_tokenizer = lambda name: tokenizer
 rl_loop.model_info.get_recommended_renderer_name = lambda name: "echorl-addition"
 rl_loop.renderers.get_renderer = lambda name, tok: AdditionRenderer()
-rl_loop.get_reward = reward
+rl_loop.get_reward = lambda completion, answer: score(tokenizer, completion, answer)
 
 config = rl_loop.Config(
     base_url=None,
@@ -56,7 +55,7 @@ config = rl_loop.Config(
     learning_rate=float(sys.argv[4]) if len(sys.argv) > 4 else 2e-3,
     lora_rank=8,
     save_every=0,
-    max_tokens=6,
+    max_tokens=max_tokens(tokenizer),
     loss_fn="importance_sampling",
     ttl_seconds=None,
     max_steps=steps,

@@ -19,14 +19,14 @@ else:
     import tinker
     from tinker import types
 
-from addition_env import problems, prompt_text, reward  # noqa: E402 (after the client choice)
+from addition_env import max_tokens, problems, prompt_ids, score  # noqa: E402 (after the client choice)
 
 BATCH, GROUP = 8, 8
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 service = tinker.ServiceClient()
 training = service.create_lora_training_client(base_model=os.environ.get("ECHORL_BASE_MODEL", "echorl-tiny"), rank=8)
 training = training.result() if hasattr(training, "result") else training
-rows = problems(BATCH * steps, seed=7)
+rows = problems(BATCH * steps, seed=7, tokenizer=tokenizer)
 rewards = []
 for step in range(steps):
     sampler = training.save_weights_and_get_sampling_client()
@@ -37,13 +37,13 @@ for step in range(steps):
     # (ECHORL_UNSEEDED=1: no seed, so that `echorl serve --swarm` leases them to nodes: it never
     # leases a seeded request, whose samples the client expects to repeat)
     seed = None if os.environ.get("ECHORL_UNSEEDED") else 1000 + step
-    params = types.SamplingParams(max_tokens=6, stop=[tokenizer.eos_token_id], seed=seed)
-    prompts = [types.ModelInput.from_ints(tokenizer.encode(prompt_text(q), add_special_tokens=False)) for q, _ in batch]
+    params = types.SamplingParams(max_tokens=max_tokens(tokenizer), stop=[tokenizer.eos_token_id], seed=seed)
+    prompts = [types.ModelInput.from_ints(prompt_ids(tokenizer, q)) for q, _ in batch]
     futures = [sampler.sample(prompt=p, num_samples=GROUP, sampling_params=params) for p in prompts]
     data, batch_rewards = [], []
     for future, prompt, (_, answer) in zip(futures, prompts, batch):
         seqs = future.result().sequences
-        group = [reward(tokenizer.decode(s.tokens, skip_special_tokens=True), answer) for s in seqs]
+        group = [score(tokenizer, tokenizer.decode(s.tokens, skip_special_tokens=True), answer) for s in seqs]
         batch_rewards.append(sum(group) / len(group))
         mean = sum(group) / len(group)
         for seq, r in zip(seqs, group):
