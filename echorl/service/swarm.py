@@ -152,8 +152,10 @@ class Swarm:
         if self._publisher is None or not self._fits(snap) or snap.tensors is None:
             return
         self._snaps[self.key_of(snap)] = snap.tensors
-        while len(self._snaps) > KEEP_SNAPSHOTS:
-            self._snaps.pop(next(k for k in self._snaps if k not in (0, self.current)))
+        in_use = {0, self.current} | {r.key for r in self.requests.values()}
+        spare = [k for k in self._snaps if k not in in_use]
+        for k in spare[: max(0, len(self._snaps) - KEEP_SNAPSHOTS)]:  # the oldest no request names
+            del self._snaps[k]
         if not self._busy():
             self._publish(self.key_of(snap))
 
@@ -161,6 +163,8 @@ class Swarm:
         """Whether the swarm samples this request (module docstring, 2)."""
         service = self.service
         if service is None or not service.active_peers() or self.key_of(snap) not in self._snaps:
+            return False
+        if len(self.requests) >= self.cfg.queue_size:  # as many as the server's own queue holds
             return False
         if seed is not None or plp or params.top_p != 1.0 or params.temperature != self.cfg.swarm_temperature:
             return False

@@ -17,7 +17,7 @@ from echorl.protocol.identity import Identity
 from echorl.rl.buffer import StalenessBuffer, Verdict
 from echorl.service.config import ServeConfig
 from echorl.service.engine import Engine, Snapshot
-from echorl.service.swarm import Swarm
+from echorl.service.swarm import KEEP_SNAPSHOTS, Swarm
 from echorl.tasks.base import Prompt
 
 
@@ -147,3 +147,23 @@ def test_the_swarm_takes_only_what_it_can_sample_exactly(engine):
     assert not swarm.takes(_snap(engine, 1), [1], long, None, False)
     swarm.service = type("S", (), {"active_peers": lambda self: []})()
     assert not swarm.takes(_snap(engine, 1), [1], ok, None, False)  # no node: the server
+
+
+def test_snapshots_are_bounded_but_never_one_a_request_names(engine):
+    swarm = _swarm(engine, queue_size=3)
+    swarm.service = type("S", (), {"active_peers": lambda self: ["a node"]})()
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4, stop=[])
+
+    async def main():
+        swarm.offer(_snap(engine, 1))
+        swarm.submit("r", _snap(engine, 1), [20], 2, params, [], lambda s, m: None)  # leased at v1
+        for ident in range(2, 2 + KEEP_SNAPSHOTS + 5):
+            swarm.offer(_snap(engine, ident))
+        assert 1 in swarm._snaps and len(swarm._snaps) == KEEP_SNAPSHOTS
+        swarm.offer(_snap(engine, 30))
+        assert swarm.takes(_snap(engine, 30), [21], params, None, False)
+        swarm.submit("s", _snap(engine, 30), [21], 2, params, [], lambda s, m: None)
+        swarm.submit("t", _snap(engine, 30), [21], 2, params, [], lambda s, m: None)
+        assert not swarm.takes(_snap(engine, 30), [21], params, None, False)  # queue_size requests out
+
+    trio.run(main)
