@@ -87,7 +87,9 @@ DEFAULT_SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=5, st
 class LearnerService:
     """``version`` (the trainer's newest version t), ``required`` (the provisioning rule's Σμ),
     ``summary`` (the run's headline figures for status) and ``learner_rate`` (the learner's own
-    generation rate, samples/s) are read from the trainer."""
+    generation rate, samples/s) are read from the trainer. ``holds_versions``: the trainer
+    publishes no version while a lease is out (``echorl serve --swarm``'s turns), so a lease's
+    deadline has no staleness horizon (the pace of versions says nothing about a lease's life)."""
 
     def __init__(
         self,
@@ -108,9 +110,10 @@ class LearnerService:
         spot: SpotChecker | None = None,
         incarnation: bytes | None = None,
         peers: PeerBook | None = None,
+        holds_versions: bool = False,
     ) -> None:
         self.identity, self.run_id, self.task, self.buffer = identity, run_id, task, buffer
-        self.settings, self.sampling = settings, sampling
+        self.settings, self.sampling, self.holds_versions = settings, sampling, holds_versions
         self.incarnation = incarnation or secrets.token_bytes(16)  # the broadcaster's: signed into manifests
         self.rule = StalenessRule(settings.staleness, settings.prompts_per_step)
         self._version = version
@@ -319,7 +322,7 @@ class LearnerService:
             self.sampling.max_new_tokens,
             s.lease_timeout_s,
             float(peer.capability.tokens_per_s),
-            steps_left=msg.version + rule.bound + 1 - self.version,
+            steps_left=None if self.holds_versions else msg.version + rule.bound + 1 - self.version,
         )
         late, seeded = self.admission.late_after(n), s.sampling_proofs
         rec = self.leases.issue(

@@ -322,6 +322,7 @@ class Swarm:
                 spot=spot,
                 incarnation=bc.incarnation,
                 peers=book,
+                holds_versions=True,  # turns: no version is published while a request is leased
             )
             service.install(host)
             membership = Membership(host, cfg.run_id, server=True)

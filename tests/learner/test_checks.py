@@ -68,12 +68,12 @@ def _service(tiny, version=lambda: 0) -> LearnerService:
     )
 
 
-async def _leased(svc: LearnerService, me: Identity) -> tuple[RequestContext, Lease]:
+async def _leased(svc: LearnerService, me: Identity, version: int = 0) -> tuple[RequestContext, Lease]:
     cap = capability()
     now = time.monotonic()
-    svc.peers.add(PeerRecord(me.peer_id, cap, now, now, version=0))
+    svc.peers.add(PeerRecord(me.peer_id, cap, now, now, version=version))
     ctx = RequestContext(peer_id=me.peer_id, protocol=routes.SUBMIT, received_at=time.time())
-    lease = await svc.on_lease(LeaseRequest(run_id=RUN, version=0, max_prompts=2), ctx)
+    lease = await svc.on_lease(LeaseRequest(run_id=RUN, version=version, max_prompts=2), ctx)
     assert isinstance(lease, Lease), lease
     return ctx, lease
 
@@ -175,3 +175,26 @@ def test_a_second_submission_for_a_lease_under_check_is_refused_unchecked(tiny, 
         assert not svc.leases._checking  # released however the first ended
 
     trio.run(main)
+
+
+def test_a_service_whose_versions_wait_for_its_leases_gives_them_no_staleness_horizon():
+    """``echorl serve --swarm`` publishes no version while a lease is out: the pace of its versions
+    (seconds apart when a client saves twice) must not cut a lease's deadline, as it does a GRPO
+    learner's (there a result past the staleness bound is worthless)."""
+
+    async def deadline(holds: bool) -> float:
+        from echorl.tasks import load_task
+
+        task = load_task("addition", digits=2, seed=0)
+        settings = ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=2, staleness=0)
+        svc = LearnerService(
+            Identity.generate(), RUN, task, None, StalenessBuffer(0), settings, 100, holds_versions=holds
+        )
+        svc.admission.pace.note_version(0, 100.0)
+        svc.admission.pace.note_version(1, 100.5)  # two versions half a second apart
+        svc.note_published(1)
+        _, lease = await _leased(svc, Identity.generate(), version=1)
+        return lease.deadline_s
+
+    short, full = trio.run(deadline, False), trio.run(deadline, True)
+    assert short < 3.0 <= ServiceFields().lease_min_s + 1.0 < full
