@@ -57,7 +57,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_
 
 
 def start_server(
-    tmp: Path, keys: dict[str, str], nodes: int, model: str
+    tmp: Path, keys: dict[str, str], nodes: int, model: str, swarm_wait_s: float = 30.0, prompts_per_lease: int = 8
 ) -> tuple[list[subprocess.Popen], str, str, str]:
     """The server (with ``--swarm`` when ``nodes``) and its nodes, all on ``model`` (a directory;
     "": the shipped tiny model); (processes, URL, swarm address, the served model's name)."""
@@ -66,6 +66,7 @@ def start_server(
     cmd += ["--state-dir", str(tmp / "state"), "--threads", "1", *(["--model", model] if model else [])]
     if nodes:
         cmd += ["--swarm", "--swarm-lora-rank", str(SWARM_RANK), "--swarm-max-tokens", "16", "--run-id", "bench"]
+        cmd += ["--swarm-wait-s", str(swarm_wait_s), "--prompts-per-lease", str(prompts_per_lease)]
     with open(tmp / "serve.log", "w") as log:  # the child holds its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -259,6 +260,8 @@ def main() -> None:
     p.add_argument("--fwdbwd", type=int, default=30, help="forward_backward requests timed, HTTP vs bare")
     p.add_argument("--samples", type=int, default=10, help="sample requests (8 x 16 tokens) timed")
     p.add_argument("--model", default="", help="a local Hugging Face model directory (default: the shipped tiny model)")
+    p.add_argument("--swarm-wait-s", type=float, default=30.0, help="the server's --swarm-wait-s")
+    p.add_argument("--prompts-per-lease", type=int, default=8, help="the server's --prompts-per-lease")
     p.add_argument("--nodes", type=int, default=2, help="echorl node processes sampling for the server (0: no swarm)")
     p.add_argument("--clients", default="tinker,logits", help="which clients to run (comma-separated)")
     p.add_argument("--together", action="store_true", help="then both clients' RL loops at once (two users, one swarm)")
@@ -269,7 +272,9 @@ def main() -> None:
     keys = {user: f"tml-{secrets.token_hex(16)}" for user in ("tinker", "logits")}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        procs, url, addr, name = start_server(tmp, keys, args.nodes, args.model)
+        procs, url, addr, name = start_server(
+            tmp, keys, args.nodes, args.model, args.swarm_wait_s, args.prompts_per_lease
+        )
         model = Path(args.model) if args.model else default_model()
         try:
             clients = [c for c in args.clients.split(",") if c]

@@ -30,13 +30,13 @@ COOKBOOK_STEPS, COOKBOOK_RISE = 40, 0.03
 (logits) and 0.28 -> 0.45 (cookbook) from the first three batches to the last three."""
 
 
-def _start(server, client: str, *args: str) -> subprocess.Popen:
+def _start(server, client: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     venv = VENVS[client]
     if not (venv / ".installed").exists():
         pytest.skip(f"{venv.name} is absent: `make clients` builds the {client} client's virtualenv")
     prefix = "LOGITS" if client == "logits" else "TINKER"
     user = "bob" if client == "logits" else "alice"
-    env = {**os.environ, f"{prefix}_BASE_URL": server.url, f"{prefix}_API_KEY": server.keys[user]}
+    env = {**os.environ, **(env or {}), f"{prefix}_BASE_URL": server.url, f"{prefix}_API_KEY": server.keys[user]}
     env.pop("PYTHONPATH", None)  # the client venv, not echorl
     env.update(HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0", PYTHONUNBUFFERED="1")
     cmd = [str(venv / "bin" / "python"), *args]
@@ -52,8 +52,8 @@ def _finish(proc: subprocess.Popen, what: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _run(server, client: str, *args: str) -> dict:
-    return _finish(_start(server, client, *args), f"{client} {args[0]}")
+def _run(server, client: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    return _finish(_start(server, client, *args, env=env), f"{client} {args[0]}")
 
 
 @pytest.mark.parametrize("client", ["tinker", "logits"])
@@ -88,6 +88,21 @@ def test_cookbook_rl_loop_samples_through_two_nodes(swarm_server, tmp_path):
     assert out["end"] > out["start"] + COOKBOOK_RISE, out
     assert swarm_server.peers_served() == 2
     url, key = swarm_server.url, swarm_server.keys["alice"]
+    sessions = httpx.get(url + "/api/v1/echorl/usage", headers={"X-API-Key": key}, timeout=30).json()["sessions"]
+    by_nodes, sampled = (sum(s[k] for s in sessions) for k in ("tokens_sampled_by_nodes", "tokens_sampled"))
+    assert by_nodes > 0.5 * sampled, sessions
+
+
+def test_logits_rl_loop_samples_through_two_nodes(swarm_server):
+    """logits-sdk (tinker 0.21's JSON wire) through the swarm: its plain RL loop, unseeded (the swarm
+    never leases a seeded request), over the cookbook test's 40 batches and bar, halves compared."""
+    env = {"ECHORL_UNSEEDED": "1"}
+    out = _run(
+        swarm_server, "logits", "rl_plain.py", "logits", str(default_model()), str(COOKBOOK_STEPS), str(RL_LR), env=env
+    )
+    assert out["half_end"] > out["half_start"] + COOKBOOK_RISE, out
+    assert swarm_server.peers_served() == 2
+    url, key = swarm_server.url, swarm_server.keys["bob"]
     sessions = httpx.get(url + "/api/v1/echorl/usage", headers={"X-API-Key": key}, timeout=30).json()["sessions"]
     by_nodes, sampled = (sum(s[k] for s in sessions) for k in ("tokens_sampled_by_nodes", "tokens_sampled"))
     assert by_nodes > 0.5 * sampled, sessions

@@ -3,7 +3,8 @@ client's public API alone, for logits-sdk (tinker 0.21, which the cookbook does 
 per batch a sampling client from the current weights, ``num_samples`` = group size, centred
 rewards, ``importance_sampling`` on ``target_tokens``/``logprobs``/``advantages``, one
 ``optim_step``. Usage: ``python rl_plain.py logits|tinker MODEL_DIR STEPS LR``. Prints
-``{"start": mean reward of the first 3 batches, "end": of the last 3}``."""
+``{"start": mean reward of the first 3 batches, "end": of the last 3, "half_start"/"half_end": of
+each half}``."""
 
 import json
 import os
@@ -69,4 +70,7 @@ for step in range(steps):
         opt.result()
     rewards.append(sum(batch_rewards) / len(batch_rewards))
     print(json.dumps({"step": step, "reward": rewards[-1]}), flush=True)
-print(json.dumps({"client": client_name, "loop": "rl", "start": sum(rewards[:3]) / 3, "end": sum(rewards[-3:]) / 3}))
+half = len(rewards) // 2
+first, second = sum(rewards[:half]) / max(1, half), sum(rewards[half:]) / max(1, len(rewards) - half)
+out = {"start": sum(rewards[:3]) / 3, "end": sum(rewards[-3:]) / 3, "half_start": first, "half_end": second}
+print(json.dumps({"client": client_name, "loop": "rl", **out}))
