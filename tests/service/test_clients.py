@@ -56,6 +56,14 @@ def _run(server, client: str, *args: str, env: dict[str, str] | None = None) -> 
     return _finish(_start(server, client, *args, env=env), f"{client} {args[0]}")
 
 
+def _node_share(swarm, user: str) -> float:
+    """Of the tokens a user's sessions sampled, the share swarm nodes sampled (usage endpoint)."""
+    headers = {"X-API-Key": swarm.keys[user]}
+    sessions = httpx.get(swarm.url + "/api/v1/echorl/usage", headers=headers, timeout=30).json()["sessions"]
+    by_nodes, sampled = (sum(s[k] for s in sessions) for k in ("tokens_sampled_by_nodes", "tokens_sampled"))
+    return by_nodes / max(1, sampled)
+
+
 @pytest.mark.parametrize("client", ["tinker", "logits"])
 def test_supervised_loss_falls(server, client):
     out = _run(server, client, "supervised.py", client, "8")
@@ -87,10 +95,7 @@ def test_cookbook_rl_loop_samples_through_two_nodes(swarm_server, tmp_path):
     out = _run(swarm_server, "tinker", "cookbook_rl.py", *args)
     assert out["end"] > out["start"] + COOKBOOK_RISE, out
     assert swarm_server.peers_served() == 2
-    url, key = swarm_server.url, swarm_server.keys["alice"]
-    sessions = httpx.get(url + "/api/v1/echorl/usage", headers={"X-API-Key": key}, timeout=30).json()["sessions"]
-    by_nodes, sampled = (sum(s[k] for s in sessions) for k in ("tokens_sampled_by_nodes", "tokens_sampled"))
-    assert by_nodes > 0.5 * sampled, sessions
+    assert _node_share(swarm_server, "alice") > 0.5
 
 
 def test_logits_rl_loop_samples_through_two_nodes(swarm_server):
@@ -102,10 +107,7 @@ def test_logits_rl_loop_samples_through_two_nodes(swarm_server):
     )
     assert out["half_end"] > out["half_start"] + COOKBOOK_RISE, out
     assert swarm_server.peers_served() == 2
-    url, key = swarm_server.url, swarm_server.keys["bob"]
-    sessions = httpx.get(url + "/api/v1/echorl/usage", headers={"X-API-Key": key}, timeout=30).json()["sessions"]
-    by_nodes, sampled = (sum(s[k] for s in sessions) for k in ("tokens_sampled_by_nodes", "tokens_sampled"))
-    assert by_nodes > 0.5 * sampled, sessions
+    assert _node_share(swarm_server, "bob") > 0.5
 
 
 def test_logits_rl_loop_reward_rises(server):
