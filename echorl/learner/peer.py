@@ -124,13 +124,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_addresses(cfg: LearnerConfig) -> None:
     """The listen and announce addresses, checked before training starts; a fixed port that
     another program (or learner) holds is refused here rather than failing inside libp2p."""
-    from echorl.net.addrs import AddressError, parse_announce, parse_listen, port_taken
+    from echorl.net.addrs import checked_listen
 
-    cfg.listen = parse_listen(cfg.listen)
-    cfg.announce = [parse_announce(a) for a in cfg.announce]
-    taken = port_taken(cfg.listen)
-    if taken:
-        raise AddressError(taken)
+    cfg.listen, cfg.announce = checked_listen(cfg.listen, cfg.announce)
 
 
 def _default_checkpoint_dir(cfg: LearnerConfig) -> str:

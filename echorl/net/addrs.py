@@ -99,13 +99,23 @@ def parse_announce(text: str, what: str = "--announce") -> str:
     return "".join(f"/{n}/{v}" for n, v in parts)
 
 
+def checked_listen(listen: str, announce: list[str]) -> tuple[str, list[str]]:
+    """A peer's ``--listen`` and ``--announce`` addresses parsed, and the listen address probed
+    (:func:`port_taken`), so a bad one is one line (``AddressError``) before anything starts."""
+    listen = parse_listen(listen)
+    announced = [parse_announce(a) for a in announce]
+    taken = port_taken(listen)
+    if taken:
+        raise AddressError(taken)
+    return listen, announced
+
+
 def port_taken(listen: str) -> str | None:
-    """Why ``listen``'s fixed port cannot be bound, or None (port 0 is always free). A probe
-    bind with SO_REUSEADDR, as py-libp2p's listener sets it, so a TIME_WAIT socket is no conflict."""
+    """Why ``listen`` cannot be bound, or None: its fixed port is taken, or its address is not
+    this machine's (port 0: any free port, so only the address is probed). A probe bind with
+    SO_REUSEADDR, as py-libp2p's listener sets it, so a TIME_WAIT socket is no conflict."""
     names = dict(_parts(multiaddr.Multiaddr(listen)))
     port = int(names.get("tcp", "0"))
-    if port == 0:
-        return None
     family, host = (socket.AF_INET6, names["ip6"]) if "ip6" in names else (socket.AF_INET, names.get("ip4", ""))
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,7 +124,8 @@ def port_taken(listen: str) -> str | None:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 return f"port {port} on {host} is already in use (another learner or program listens there)"
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            where = f"{host}:{port}" if port else host
+            return f"cannot listen on {where}: {exc.strerror or exc}"
     return None
 
 

@@ -110,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
     from .sessions import KeyFileError
 
     try:
+        if cfg.swarm:  # the learner peer's addresses: one line now, not a failure inside libp2p
+            from echorl.net.addrs import checked_listen
+
+            cfg.listen, cfg.announce = checked_listen(cfg.listen, cfg.announce)
         app, api = build(cfg)
     except (KeyFileError, ValueError, FileNotFoundError) as exc:
         cfgmod.fail("serve", exc)

@@ -65,6 +65,8 @@ def test_port_taken_is_detected():
         port = s.getsockname()[1]
         assert "already in use" in port_taken(f"/ip4/127.0.0.1/tcp/{port}")
     assert port_taken("/ip4/127.0.0.1/tcp/0") is None
+    # an address that is not this machine's (TEST-NET-1): said before libp2p starts, any port
+    assert port_taken("/ip4/192.0.2.1/tcp/0").startswith("cannot listen on 192.0.2.1: ")
 
 
 def test_dial_failures_say_why():

@@ -4,6 +4,8 @@ the server. The cut of a node's sample to its request is checked on its own."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import httpx
@@ -82,3 +84,13 @@ def test_sampling_requests_are_served_by_nodes_and_accounted(swarm_server):
     row = _nodes_serving(url, key, tmp_path, procs, session, sampler, [20, 21, 22])
     assert row["tokens_sampled"] >= row["tokens_sampled_by_nodes"] > 0
     assert swarm_server.peers_served() >= 1
+
+
+def test_a_swarm_address_that_cannot_be_listened_on_is_one_line(tmp_path):
+    (tmp_path / "keys.txt").write_text("tml-" + "ab" * 16 + " alice\n")
+    cmd = [sys.executable, "-m", "echorl.cli.main", "serve", "--api-keys", str(tmp_path / "keys.txt")]
+    cmd += ["--swarm", "--listen", "/ip4/192.0.2.1/tcp/0"]  # TEST-NET-1: not this machine's
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "echorl serve: cannot listen on 192.0.2.1: Cannot assign requested address"
+    ], out.stderr[-2000:]
