@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25
-"""How often waiting requests are held against their deadline and the newest version."""
+"""How often waiting requests are held against their deadline."""
 KEEP_SNAPSHOTS = 16
 """Snapshots kept for a turn (references to the sessions' own tensors; the oldest goes first)."""
 
@@ -226,6 +226,7 @@ class Swarm:
         self.version += 1
         self.current = key
         self.counters["turns"] += 1
+        log.debug("snapshot %d takes the turn as v%d", key, self.version)
         self._publisher.offer(self.version, {k: v.detach().to("cpu") for k, v in self._snaps[key].items()})
 
     def _deliver(self, group: RolloutGroup) -> None:
@@ -267,6 +268,7 @@ class Swarm:
                     self._finish(req)
 
     def metrics(self) -> dict[str, Any]:
+        """Requests taken, finished by the server, samples from nodes, turns, the version."""
         out: dict[str, Any] = {
             **self.counters,
             "swarm_version": self.version,
@@ -323,6 +325,7 @@ class Swarm:
                 incarnation=bc.incarnation,
                 peers=book,
                 holds_versions=True,  # turns: no version is published while a request is leased
+                summary=self.metrics,  # the swarm's figures in its status (echorl status --bootstrap)
             )
             service.install(host)
             membership = Membership(host, cfg.run_id, server=True)

@@ -83,12 +83,16 @@ class SwarmServer:
     procs: list[subprocess.Popen]
     rank: int = SWARM_RANK
 
-    def peers_served(self) -> int:
-        """Nodes with an accepted submission, from the swarm's own status (``echorl status --bootstrap``)."""
+    def status(self) -> dict:
+        """The swarm's own status (``echorl status --bootstrap``): its learner row and peers."""
         cmd = [sys.executable, "-m", "echorl.cli", "status", "--bootstrap", self.addr, "--json"]
         out = subprocess.run(cmd, capture_output=True, text=True, env=NODE_ENV, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
-        return sum(p["submissions_accepted"] > 0 for p in json.loads(out.stdout)["peers"])
+        return json.loads(out.stdout)
+
+    def peers_served(self) -> int:
+        """Nodes with an accepted submission."""
+        return sum(p["submissions_accepted"] > 0 for p in self.status()["peers"])
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
