@@ -52,7 +52,7 @@ clients: $(CLIENTS)
 
 .venv-logits/.installed: Makefile
 	test -x .venv-logits/bin/python || $(PY) -m venv .venv-logits
-	.venv-logits/bin/pip install -q logits-sdk==0.1.6
+	.venv-logits/bin/pip install -q logits-sdk==0.1.6 jinja2  # jinja2: a chat model's template (SmolLM2)
 	touch $@
 
 # Lint, format and types: ruff over the tree, mypy over the packages pyproject names (rl, learner).
