@@ -372,8 +372,15 @@ class PeerBook:
 
     def active(self, window_s: float = ACTIVE_WINDOW_S, now: float | None = None) -> list[PeerRecord]:
         """Alive members heard from within ``window_s``."""
+        return list(self._active(window_s, now))
+
+    def has_active(self, window_s: float = ACTIVE_WINDOW_S) -> bool:
+        """Whether any member is :meth:`active` (stops at the first: asked per sampling request)."""
+        return any(True for _ in self._active(window_s, None))
+
+    def _active(self, window_s: float, now: float | None) -> Iterator[PeerRecord]:
         now = time.monotonic() if now is None else now
-        return [p for p in self._members.values() if p.alive and now - p.last_seen < window_s]
+        return (p for p in self._members.values() if p.alive and now - p.last_seen < window_s)
 
     def forget(self, peer_id: str) -> None:
         """The one way a peer leaves (see the module docstring): its record, IP slot and lease

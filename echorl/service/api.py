@@ -30,6 +30,11 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PATH = re.compile(r"^(?P<model>s-[0-9a-f]{16}:train:\d{1,6})/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 
 
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """A sample request's ``sample_sequence_ids``, one per sample (tinker 0.38 asserts them)."""
+    return [f"{request_id}:{i}" for i in range(n)]
+
+
 class Api:
     """``swarm``: sampling by volunteer nodes (``--swarm``, ``service/swarm.py``); None: the server
     samples everything."""
@@ -401,7 +406,7 @@ class Api:
                     pass  # the future is finished with the queue's error
 
             swarm.submit(fut.ident, snapshot, prompt, n, params, stop_tokens, done)
-            return {"request_id": fut.ident, "sample_sequence_ids": [f"{fut.ident}:{i}" for i in range(n)]}
+            return {"request_id": fut.ident, "sample_sequence_ids": sequence_ids(fut.ident, n)}
 
         def run() -> wire.SampleResult:
             return self.engine.sample(snapshot, prompt, n, params, seed, stop_tokens, want_plp)
@@ -410,5 +415,5 @@ class Api:
             self.sessions.charge(s, sec, sampled=sum(len(q.tokens) for q in result.sequences))
 
         out = self._future(user, "sample", run, after)
-        out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n)]
+        out["sample_sequence_ids"] = sequence_ids(out["request_id"], n)
         return out

@@ -67,11 +67,20 @@ Done = Callable[[list[Sequence], int], None]
 def cut(tokens: list[int], logprobs: list[float], params: SamplingParams, stop_tokens: set[int], decode) -> Sequence:
     """A node's sample cut to the request: at its ``max_tokens`` (``length``), after an EOS or a
     stop token, or after the token that completes a stop string (``stop``), as the server's own
-    sampler stops (``TorchBackend.sample_ids``, ``Engine.sample``)."""
-    for i, t in enumerate(tokens[: params.max_new_tokens]):
-        if t in stop_tokens or (params.stop and any(w in decode(tokens[: i + 1]) for w in params.stop)):
-            return Sequence(tokens=list(tokens[: i + 1]), logprobs=list(logprobs[: i + 1]), stop_reason="stop")
+    sampler stops (``TorchBackend.sample_ids``, ``Engine.sample``). It runs on the event loop, so
+    a stop string costs one decode, and a binary search over prefixes only when the sample holds
+    one (a prefix's text grows with the prefix: the first that holds it is the server's stop)."""
     n = min(len(tokens), params.max_new_tokens)
+    end = next((i + 1 for i, t in enumerate(tokens[:n]) if t in stop_tokens), None)
+    holds = lambda k: any(w in decode(tokens[:k]) for w in params.stop)
+    if params.stop and holds(end or n):
+        lo, hi = 1, end or n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+        end = lo
+    if end is not None:
+        return Sequence(tokens=list(tokens[:end]), logprobs=list(logprobs[:end]), stop_reason="stop")
     return Sequence(tokens=list(tokens[:n]), logprobs=list(logprobs[:n]), stop_reason="length")
 
 
@@ -162,7 +171,7 @@ class Swarm:
     def takes(self, snap: Snapshot, prompt: list[int], params: SamplingParams, seed: int | None, plp: bool) -> bool:
         """Whether the swarm samples this request (module docstring, 2)."""
         service = self.service
-        if service is None or not service.active_peers() or self.key_of(snap) not in self._snaps:
+        if service is None or not service.peers.has_active() or self.key_of(snap) not in self._snaps:
             return False
         if len(self.requests) >= self.cfg.queue_size:  # as many as the server's own queue holds
             return False
@@ -227,7 +236,7 @@ class Swarm:
         self.current = key
         self.counters["turns"] += 1
         log.debug("snapshot %d takes the turn as v%d", key, self.version)
-        self._publisher.offer(self.version, {k: v.detach().to("cpu") for k, v in self._snaps[key].items()})
+        self._publisher.offer(self.version, dict(self._snaps[key]))  # written to its file in a worker thread
 
     def _deliver(self, group: RolloutGroup) -> None:
         """An accepted group (``StalenessBuffer``'s consumer): its samples go to its request."""

@@ -50,6 +50,12 @@ def _snap(engine, ident: int, rank: int = 4) -> Snapshot:
 BASE = Snapshot(None, None)
 
 
+def _service_with_nodes(any_active: bool):
+    """What ``Swarm.takes`` reads of its lease service: whether any node is active."""
+    peers = type("Peers", (), {"has_active": lambda self: any_active})()
+    return type("Service", (), {"peers": peers})()
+
+
 def _group(prompt: Prompt, tokens: list[list[int]], version: int = 0) -> RolloutGroup:
     samples = [Sample(t, [-0.5] * len(t), "length", "") for t in tokens]
     return RolloutGroup(prompt.prompt_id, "", list(prompt.token_ids or []), samples, version)
@@ -132,7 +138,7 @@ def test_a_withdrawn_prompt_on_a_lease_does_not_come_back():
 
 def test_the_swarm_takes_only_what_it_can_sample_exactly(engine):
     swarm = _swarm(engine)
-    swarm.service = type("S", (), {"active_peers": lambda self: ["a node"]})()
+    swarm.service = _service_with_nodes(True)
     ok = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8, stop=["x"])
     swarm.offer(_snap(engine, 1))
     swarm.offer(_snap(engine, 2, rank=8))  # another adapter shape: never published
@@ -145,13 +151,13 @@ def test_the_swarm_takes_only_what_it_can_sample_exactly(engine):
     assert not swarm.takes(_snap(engine, 1), [1], hot, None, False)  # the spot check replays one temperature
     long = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=swarm.cfg.swarm_max_tokens + 1, stop=[])
     assert not swarm.takes(_snap(engine, 1), [1], long, None, False)
-    swarm.service = type("S", (), {"active_peers": lambda self: []})()
+    swarm.service = _service_with_nodes(False)
     assert not swarm.takes(_snap(engine, 1), [1], ok, None, False)  # no node: the server
 
 
 def test_snapshots_are_bounded_but_never_one_a_request_names(engine):
     swarm = _swarm(engine, queue_size=3)
-    swarm.service = type("S", (), {"active_peers": lambda self: ["a node"]})()
+    swarm.service = _service_with_nodes(True)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4, stop=[])
 
     async def main():
