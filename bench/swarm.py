@@ -28,9 +28,12 @@ plan is built or announced: ``plan_build_s`` and ``announce_bytes`` are not meas
 
 Per N, one JSON line: ``peers``, ``joined``, ``join_s`` (all joins), ``leases_per_s``,
 ``deferrals_per_s`` (and ``deferrals_by_reason``: ``LeaseDeferred.reason`` counts in the window),
-``submits_per_s`` (accepted), ``lease_p50_ms``, ``lease_p99_ms``,
-``submit_p50_ms``, ``submit_p99_ms``, ``cpu_ms_per_submission`` (the learner process's user+system
-CPU over the window, from /proc, per accepted submission), ``learner_cpu_share`` (of one core),
+``submits_per_s`` (accepted), ``lease_p50_ms``, ``lease_p99_ms``, ``submit_p50_ms``,
+``submit_p99_ms``, ``peer_loop_lag_p50_ms`` and ``_p99_ms`` (how late the worker processes' own
+loops woke: lease latency is timed in them, so their lag is in it), ``learner_loop_lag_p50_ms``,
+``_p99_ms``, ``_max_ms`` (the learner's own, from its status: the last minute), ``cpu_ms_per_submission`` (the
+learner process's user+system CPU over the window, from /proc, per accepted submission),
+``learner_cpu_share`` (of one core),
 ``cpu_ms_per_submission_net`` (the same, less the learner's CPU with no peer joined,
 ``learner_idle_cpu_share``, measured for ``--idle-s`` before the peers start: at N=10 the fixed
 background is most of the figure), ``learner_rss_mb``, ``status_ms`` (every page of a ``Status``
@@ -38,7 +41,9 @@ read), ``peers_cpu_share``, ``errors`` (by kind), ``learner_said`` (learner log 
 ``peers_lost`` after a failed ping, ``peers_struck``), ``learner_exited`` (its exit code if it died
 during the run, with its last error line on stderr; null: running), and, from the N=10 run of the same invocation,
 ``*_vs_10`` ratios. ``loadavg`` is recorded: the
-2-core machine is shared (the peers' own processes run on the same cores as the learner).
+2-core machine is shared (the peers' own processes run on the same cores as the learner, unless
+``--learner-core C`` gives the learner core C and the peers the others, as a learner's own machine
+would).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from _report import emit  # noqa: E402
 from hostile import RUN, join  # noqa: E402
 from swarm import Swarm, signed_submit  # noqa: E402
 
+from echorl.common import gc_pauses  # noqa: E402
 from echorl.net.host import HostConfig, PeerUnavailable, RemoteError, open_host  # noqa: E402
 from echorl.protocol import routes  # noqa: E402
 from echorl.protocol.identity import Identity  # noqa: E402
@@ -149,17 +155,32 @@ def why(exc: Exception) -> str:
     return type(exc).__name__
 
 
+LAG_TICK_S = 0.02
+"""The worker's loop-lag probe sleeps this long and records how much later it woke: a lease's
+latency measured in a worker includes that worker's own lag, which the figure must not charge to
+the learner."""
+
+
+async def loop_lag(events: list, stop: trio.Event) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        await trio.sleep(LAG_TICK_S)
+        events.append(("lag", time.time(), time.perf_counter() - t - LAG_TICK_S))
+
+
 async def worker(args: argparse.Namespace) -> None:
     events: list = []
     joined: list = []
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop_lag, events, stop)
         for i in range(args.first, args.first + args.count):
             nursery.start_soon(one_peer, i, args, events, joined, stop)
             await trio.sleep(args.stagger_s)  # spread the handshakes
         with trio.move_on_after(args.join_timeout):
             while len(joined) < args.count:
                 await trio.sleep(0.2)
+        gc_pauses.after_start_up()  # as a node does once started: its hosts out of full collections' reach
         print(json.dumps({"joined": len(joined)}), flush=True)
         await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)  # until the parent closes it
         stop.set()
@@ -168,6 +189,12 @@ async def worker(args: argparse.Namespace) -> None:
 
 
 # --- the parent: one learner, the workers, the figures -----------------------------------------
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+
+
 def proc_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -180,16 +207,18 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def read_status(addr: str, learner: str) -> tuple[float, int]:
-    """Seconds to read every page of the learner's Status, and the peers it lists."""
+async def read_status(addr: str, learner: str) -> tuple[float, int, dict]:
+    """Seconds to read every page of the learner's Status, the peers it lists, and the learner's
+    own figures (its first page's ``learner`` table)."""
     async with open_host(Identity.generate()) as host:
         await host.connect(addr)
-        t, cursor, peers = time.perf_counter(), 0, 0
+        t, cursor, peers, figures = time.perf_counter(), 0, 0, {}
         while cursor is not None:
             st = await host.request(learner, routes.STATUS, StatusRequest(cursor=cursor), expect=Status)
             peers += len(st.peers)
+            figures = figures or dict(st.learner)
             cursor = st.next_cursor
-        return time.perf_counter() - t, peers
+        return time.perf_counter() - t, peers, figures
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -212,6 +241,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         workers: list[subprocess.Popen] = []
         try:
             addr = swarm.start_learner("--config", str(tmp / "learner.json"))
+            if args.learner_core is not None:
+                pin(swarm.learner.pid, {args.learner_core})
             learner = addr.rsplit("/p2p/", 1)[1]
             time.sleep(args.settle_s)  # start-up work done, then the learner's CPU with no peer: its background
             idle_t, idle0 = time.monotonic(), proc_cpu_s(swarm.learner.pid)
@@ -226,6 +257,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                 workers.append(
                     subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=swarm_env())
                 )
+                if args.learner_core is not None:  # the peers on every other core
+                    pin(workers[-1].pid, os.sched_getaffinity(0) - {args.learner_core})
             joined = sum(json.loads(w.stdout.readline() or '{"joined": 0}')["joined"] for w in workers)
             join_s = time.monotonic() - t_join
             say = f"swarm: {joined}/{n} joined in {join_s:.1f} s; measuring {args.window:g} s"
@@ -239,9 +272,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             peers_cpu = sum(proc_cpu_s(w.pid) for w in workers) - peers_cpu0
             rss = proc_rss_mb(pid)
             try:  # a dial under a starved learner can miss its deadline: said, not fatal
-                status_s, status_peers = trio.run(read_status, addr, learner)
+                status_s, status_peers, figures = trio.run(read_status, addr, learner)
             except Exception as exc:
-                status_s, status_peers = float("nan"), -1
+                status_s, status_peers, figures = float("nan"), -1, {}
                 while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # trio's nurseries wrap it
                     exc = exc.exceptions[0]
                 print(f"swarm: status read failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -270,6 +303,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             swarm.stop()
     inside = [(k, lat) for k, t, lat in events if t0 <= t <= t1]
     lease = [lat for k, lat in inside if k == "lease"]
+    lag = [lat for k, lat in inside if k == "lag"]
     submit = [lat for k, lat in inside if k == "submit"]
     window = t1 - t0
     errors = Counter(k for k, _ in inside if "error" in k)
@@ -289,6 +323,12 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         "lease_p99_ms": round(pct(lease, 0.99) * ms, 2),
         "submit_p50_ms": round(pct(submit, 0.5) * ms, 2),
         "submit_p99_ms": round(pct(submit, 0.99) * ms, 2),
+        # how late the workers' own loops woke (LAG_TICK_S probe): latency the learner did not cause
+        "peer_loop_lag_p50_ms": round(pct(lag, 0.5) * ms, 2),
+        "peer_loop_lag_p99_ms": round(pct(lag, 0.99) * ms, 2),
+        # how late the learner's own loop woke (its status, the last minute): its part of the latency
+        **{f"learner_{k}": figures.get(k) for k in ("loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms")},
+        "learner_core": args.learner_core,
         "cpu_ms_per_submission": round((cpu1 - cpu0) * ms / max(1, len(submit)), 3),
         # net of the learner's CPU with no peer at all (its timers, metrics rows): what the peers cost it
         "cpu_ms_per_submission_net": round(max(0.0, cpu1 - cpu0 - idle_share * window) * ms / max(1, len(submit)), 3),
@@ -332,6 +372,13 @@ def main() -> None:
     p.add_argument("--per-process", type=int, default=50, help="peers per worker process")
     p.add_argument("--join-timeout", type=float, default=120.0)
     p.add_argument("--stagger-s", type=float, default=0.01, help="pause between starting two peers of a worker")
+    p.add_argument(
+        "--learner-core",
+        type=int,
+        default=None,
+        help="pin the learner to this CPU and the peers' processes to the others (a learner does not share "
+        "its machine with a thousand volunteers; default: all share every core)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--addr", help=argparse.SUPPRESS)

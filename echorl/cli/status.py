@@ -213,6 +213,7 @@ LEARNER_FIELDS = (
     ("invalid", "rollouts_rejected_invalid"),
     ("logprob lies", "rollouts_rejected_logprob"),
     ("broadcast s", "broadcast_seconds"),
+    ("loop lag p99 ms", "loop_lag_p99_ms"),
     ("receipts", "receipts_issued"),
     ("rejected", "submissions_rejected_total"),
     ("cost", "cost_total"),

@@ -131,6 +131,12 @@ LEARNER_SCALARS: tuple[tuple[str, str, str, str], ...] = (
         "liveness pings that timed out while the learner's own loop ran late: the peer is not marked dead",
     ),
     (
+        "loop_lag_p99_ms",
+        "echorl_learner_loop_lag_p99_ms",
+        "gauge",
+        "99th percentile over the last minute of how late the learner's trio loop woke a 0.1 s sleep (ms)",
+    ),
+    (
         "members_displaced",
         "echorl_members_displaced_total",
         "counter",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from echorl.actor.types import RolloutGroup as ActorGroup
@@ -161,7 +161,7 @@ class Admission:
         wanted: int,
         room: int,
         held: Mapping[str, int],
-        active: Iterable[LeaseRecord],
+        active: Collection[LeaseRecord],
         in_flight_cap: int,
         per_lease: int,
         now: float,
@@ -177,7 +177,7 @@ class Admission:
         if not self.trusted(peer_id):
             n = min(n, self.newcomers.room(peer_id, in_flight_cap, per_lease, active, now))
             if n > 0:
-                self.newcomers.grant(peer_id, now)
+                self.newcomers.grant(peer_id, n, now)
         return n
 
     def retry_s(self, peer_id: str, now: float) -> float:

@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from echorl.rl.seams import Tokenizer
     from echorl.tasks.base import Task
 
+CHECK_THREADS = 2
+"""Worker threads the checks of all submissions share (signature, conversion, reward replay). They
+are Python under the GIL, so more threads check no faster, but each one takes the GIL from the trio
+loop for a switch interval (5 ms) at a time: at 1,000 peers a burst of submissions ran in up to
+trio's default 40 threads, the loop woke 0.1-0.3 s late, and leases, whose handling takes several
+loop rounds, waited seconds (``bench/swarm.py``, issue 27)."""
+
 log = logging.getLogger(__name__)
 
 INVALID = "rollouts_rejected_invalid"
@@ -111,6 +118,7 @@ class SubmitChecks:
         self.police, self.refuse = police, refuse
         self.sampling, self.tokenizer, self.vocab_size, self.task = sampling, tokenizer, vocab_size, task
         self.counters = {"signatures_verified": 0} | {c: 0 for row in CHECKS for c in row.counters.values() if c}
+        self.threads = trio.CapacityLimiter(CHECK_THREADS)  # every check's worker thread (CHECK_THREADS)
 
     def metrics(self) -> dict[str, int]:
         return dict(self.counters)
@@ -145,7 +153,7 @@ class SubmitChecks:
             raise ProtocolError(ErrorCode.SCHEMA, f"run {sub.msg.run_id!r} is not served here")
 
     async def signed_by_sender(self, sub: Submission) -> None:
-        await trio.to_thread.run_sync(wire.verify, sub.msg, sub.peer_id)
+        await trio.to_thread.run_sync(wire.verify, sub.msg, sub.peer_id, limiter=self.threads)
 
     async def nonce_unseen(self, sub: Submission) -> None:
         self.leases.check_nonce(sub.msg.nonce)
@@ -180,7 +188,8 @@ class SubmitChecks:
         sub.groups = await trio.to_thread.run_sync(
             lambda: convert_submission(
                 sub.msg, lease, self.sampling, tokenizer, self.vocab_size, self.admission, self.task
-            )
+            ),
+            limiter=self.threads,
         )
 
     async def spot_check(self, sub: Submission) -> None:
@@ -203,7 +212,7 @@ class SubmitChecks:
     async def rewards(self, sub: Submission) -> None:
         budget = ReplayBudget(self.replay_budget_s, self.replay_clock)
         try:  # the verifier (episodes: the replay, within its CPU budget), off the event loop
-            sub.rewards = await trio.to_thread.run_sync(self.buffer.score, sub.groups, budget)
+            sub.rewards = await trio.to_thread.run_sync(self.buffer.score, sub.groups, budget, limiter=self.threads)
         except ReplayOverBudget as exc:  # the learner could not check it: not counted against the peer
             log.info("replay of a submission of %s stopped: %s", short_id(sub.peer_id), exc)
             raise ProtocolError(ErrorCode.UNVERIFIABLE, f"{exc}; lease re-queued") from None

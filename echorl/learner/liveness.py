@@ -88,6 +88,16 @@ class LoopLag:
             worst = max(worst, now - self._tick_from - TICK_S)
         return worst
 
+    def metrics(self) -> dict[str, float]:
+        """``loop_lag_p50_ms``, ``loop_lag_p99_ms``, ``loop_lag_max_ms`` over the samples kept
+        (``KEEP_S``; none before the first): how long a request that arrived waited for the loop,
+        the learner's own part of any peer's latency (the status and the metrics row)."""
+        if not self._late:
+            return {}
+        s = sorted(late for _, late in self._late)
+        ms = {q: round(s[min(len(s) - 1, int(q * len(s)))] * 1e3, 2) for q in (0.5, 0.99)}
+        return {"loop_lag_p50_ms": ms[0.5], "loop_lag_p99_ms": ms[0.99], "loop_lag_max_ms": round(s[-1] * 1e3, 2)}
+
     def excuses(self, since: float, timeout_s: float, now: float | None = None) -> bool:
         """Whether a wait of ``timeout_s`` begun at ``since`` that ran out is the loop's fault."""
         return self.worst_since(since, now) >= EXCUSE_FRACTION * timeout_s

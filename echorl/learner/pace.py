@@ -79,6 +79,12 @@ RANK_AT_ONCE_UNDER = 100
 under 0.1 ms): small swarms, the demo's and the tests', see each result in the next lease."""
 
 
+def rescan_after_s(scanned: int) -> float:
+    """How old a figure that scans ``scanned`` records (members, leases) may be before a change
+    is counted again: ``RANK_S_PER_MEMBER`` a record, at once under ``RANK_AT_ONCE_UNDER``."""
+    return 0.0 if scanned < RANK_AT_ONCE_UNDER else RANK_S_PER_MEMBER * scanned
+
+
 @dataclass(frozen=True)
 class Ranking:
     """The live members' pace at one moment (``FleetPace.ranking``)."""
@@ -141,9 +147,7 @@ class FleetPace:
     @staticmethod
     def _rank_every_s(r: Ranking) -> float:
         """How old a ranking must be before a change is ranked (0: at once)."""
-        if r.members < RANK_AT_ONCE_UNDER:
-            return 0.0
-        return RANK_S_PER_MEMBER * r.members
+        return rescan_after_s(r.members)
 
     def reference_rate(self) -> float:
         """Median over addresses of each address's best recent rate (0: no one measured)."""

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from echorl.common import config
+from echorl.common import config, gc_pauses
 from echorl.common.metrics_sinks import open_sinks, sink_flags_error
 from echorl.learner import console
 from echorl.learner.config import LearnerConfig
@@ -195,6 +195,7 @@ async def serve(cfg: LearnerConfig, task_status: TaskStarted = trio.TASK_STATUS_
             )
             loop.attach("service", service)
             service.install(host)
+            gc_pauses.after_start_up()  # the model, task and host are loaded: out of full collections' reach
             async with trio.open_nursery() as nursery:
                 publisher = await _start_publishing(cfg, bc, loop, provisioning, service, nursery)
                 loop.attach("publisher", publisher)

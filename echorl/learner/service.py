@@ -437,6 +437,7 @@ class LearnerService:
             **self.leases.metrics(),
             **self.peers.metrics(),
             **self.activator.metrics(),
+            **self.upkeep.liveness.lag.metrics(),
             "rollouts_rejected_stale": stale,  # refused at submission, or dropped by the buffer
             "published_version": self.published,
             **self.ledger.row(self.version, self.settings.group_size),
@@ -452,6 +453,7 @@ class LearnerService:
             **self.counters,
             **self.roster.metrics(),
             **self.police.metrics(),
+            **self.upkeep.liveness.lag.metrics(),
         }
         learner["spot_check_seconds"] = round(self.police.spot_check_seconds, 4)
         learner.update({k: v for k, v in self.summary().items() if isinstance(v, (int, float, str, bool)) or v is None})

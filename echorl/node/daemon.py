@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from echorl.common import config
+from echorl.common import config, gc_pauses
 from echorl.node.config import NodeConfig
 from echorl.node.progress import NodeState
 from echorl.node.rollouts import capability, load_backend
@@ -158,6 +158,7 @@ async def main(cfg: NodeConfig, identity: Identity) -> None:
             cache_bytes=int(cfg.chunk_cache_mb * 2**20),
             adapters=NodeAdapters(Path(cfg.model or default_model()).expanduser()),  # LoRA runs: over our base
         )
+        gc_pauses.after_start_up()  # the model and host are loaded: out of full collections' reach
         async with trio.open_nursery() as nursery:
             state.membership = Membership(host, cfg.run_id, server=True)
             await nursery.start(state.membership.run)

@@ -19,6 +19,7 @@ from pathlib import Path
 import trio
 
 from echorl.common import config as cfgmod
+from echorl.common import gc_pauses
 
 from .config import ServeConfig
 
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             url, _, metrics = (await nursery.start(serve, cfg, app, api)).partition(" ")
             print(f"echorl serve: {url} base_model={api.model_name!r} {metrics}".rstrip(), flush=True)
+            gc_pauses.after_start_up()  # the base model and the endpoint are up: out of full collections' reach
 
     try:
         trio.run(main)

@@ -14,6 +14,7 @@ from swarm import capability, signed_submit
 
 from echorl.learner import checks
 from echorl.learner.config import ServiceFields
+from echorl.learner.pace import PROVEN_LEASES
 from echorl.learner.service import LearnerService, PeerRecord
 from echorl.net.host import RequestContext
 from echorl.protocol import routes
@@ -56,11 +57,11 @@ def tiny():
     return TorchBackend.from_pretrained(build_default_model(warmup=None))
 
 
-def _service(tiny, version=lambda: 0) -> LearnerService:
+def _service(tiny, version=lambda: 0, settings: ServiceFields | None = None) -> LearnerService:
     from echorl.tasks import load_task
 
     task = load_task("addition", digits=2, seed=0)
-    settings = ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=2, staleness=2)
+    settings = settings or ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=2, staleness=2)
     vocab = int(tiny.model.config.vocab_size) if tiny is not None else 100
     tokenizer = tiny.tokenizer if tiny is not None else None
     return LearnerService(
@@ -198,3 +199,40 @@ def test_a_service_whose_versions_wait_for_its_leases_gives_them_no_staleness_ho
 
     short, full = trio.run(deadline, False), trio.run(deadline, True)
     assert short < 3.0 <= ServiceFields().lease_min_s + 1.0 < full
+
+
+def test_the_checks_of_many_submissions_share_a_few_worker_threads(tiny, monkeypatch):
+    """The checks' worker threads hold the GIL against the trio loop: a burst of submissions runs
+    its checks in ``CHECK_THREADS`` threads, not one each (at 1,000 peers, up to trio's 40 made
+    the loop wake 0.1-0.3 s late and leases wait seconds)."""
+    import threading
+
+    running, most, lock = [0], [0], threading.Lock()
+    verify = checks.wire.verify
+
+    def slow_verify(msg, peer_id):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return verify(msg, peer_id)
+
+    monkeypatch.setattr(checks.wire, "verify", slow_verify)
+
+    async def main():
+        svc = _service(tiny, settings=ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64))
+        svc.note_published(0)
+        peers = [Identity.generate() for _ in range(8)]
+        for me in peers:  # proven workers: the newcomer budget would lease only some of them
+            svc.peers.add(PeerRecord(me.peer_id, capability(), time.monotonic(), time.monotonic()))
+            svc.peers.load(me.peer_id).on_time_in_row = PROVEN_LEASES
+        leased = [await _leased(svc, me) for me in peers]
+        async with trio.open_nursery() as nursery:
+            for me, (ctx, lease) in zip(peers, leased):
+                nursery.start_soon(svc.on_submit, signed_submit(me, lease, 0), ctx)
+        assert svc.submissions["submissions_accepted"] == 8
+
+    trio.run(main)
+    assert most[0] == checks.CHECK_THREADS == 2

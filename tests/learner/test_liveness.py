@@ -101,3 +101,15 @@ def test_pings_stay_under_a_fixed_rate_at_any_number_of_members() -> None:
     host.pinged.clear()
     trio.run(live.sweep, host, now + 1.0)  # the answered are fresh; the rest not yet 10 s quiet
     assert host.pinged == []
+
+
+def test_loop_lag_figures_are_the_learner_s_own_part_of_any_latency() -> None:
+    """``loop_lag_p50_ms``/``p99_ms``/``max_ms`` over the kept samples (the status and the metrics
+    row); none before the first sample."""
+    lag = LoopLag()
+    assert lag.metrics() == {}
+    for i in range(198):
+        lag.note(100.0 + i * 0.1, 0.001)
+    lag.note(120.0, 0.5)
+    lag.note(120.1, 2.0)
+    assert lag.metrics() == {"loop_lag_p50_ms": 1.0, "loop_lag_p99_ms": 500.0, "loop_lag_max_ms": 2000.0}
