@@ -24,10 +24,12 @@ import gc
 
 GEN0_THRESHOLD = 20_000
 """Allocations net of frees between young collections (CPython's default: 700). A lease request or
-a submission allocates a few hundred to a few thousand tracked objects that are freed when it is
-answered; at 700 several young collections ran inside each one, promoting its objects. 20,000 keeps
-a young collection under a millisecond (it scans at most this many objects) and lets most requests
-finish between two."""
+a submission allocates hundreds to thousands of tracked objects that live until it is answered; at
+700 young collections ran inside each one and promoted its objects, so full collections came back
+even with start-up frozen: 28 in ~100 s at 0.42-0.51 s each at 1,000 peers, the learner's loop lag
+p99 379 ms. At 20,000 at most one ran in a run (0.28 s); a young collection took 20-115 ms there
+(probably its objects' referents, spread over the learner's heap), loop lag p99 90-103 ms
+(``docs/network-notes.md``, "Lease latency at 1,000 peers")."""
 GEN1_THRESHOLD = 10
 """Young collections per middle-generation collection (CPython's default)."""
 GEN2_THRESHOLD = 10
