@@ -58,13 +58,18 @@ uplink); the model leaves the announcement out of ``predicted_s``, where it woul
 and ``baseline_ratio``, ``baseline_predicted_s``, ``baseline_depth``,
 ``baseline_plan_bound_s``: the same peers planned without weights (``--no-baseline`` skips them);
 with ``--churn``, ``streams_adopted`` / ``streams_recovered`` and ``no_adoption_predicted_s``,
-``no_adoption_ratio``: the same plan and departures with every cut stream pulling.
+``no_adoption_ratio``: the same plan and departures with every cut stream pulling;
+``adopt_floor`` and ``adopt_earlier``: the adoption rule the prediction used (``Adoption``: the
+defaults are the relay's; ``--adopt-floor F`` and ``--adopt-earlier`` are what-ifs the relay does
+not have: only adopters whose uplink share is F × the orphan's planned rate, and members earlier in
+the stripe's breadth-first order after the ancestors).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import math
 import random
 import statistics
@@ -201,6 +206,26 @@ def _received(t: float, start: float, done: float, size: int) -> float:
     return max(0.0, size * (t - start) / max(done - start, 1e-12))
 
 
+EARLIER_ASKED = 64
+"""With ``Adoption.earlier``: how many members earlier in the stripe's order an orphan would ask
+(those with the largest share first) after its ancestors."""
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """Which peers adopt an orphan. The defaults are the relay's rule (``broadcast/stripe_feed.py``);
+    the others are **what-ifs** the relay does not have (``--adopt-floor``, ``--adopt-earlier``)."""
+
+    floor: float = 0.0
+    """Ask a candidate (not the learner) only if its fair share of uplink for one more stream is at
+    least this many times the orphan's planned rate: a slow ancestor would slow the orphan's
+    whole subtree for the rest of the version, where a pull spreads over several sources."""
+    earlier: bool = False
+    """After the ancestors, ask members earlier in the stripe's breadth-first order (parent before
+    child, earlier before later at a depth): streams that only go forward in that order cannot
+    wait on each other in a cycle, so any of them may adopt, not only ancestors."""
+
+
 def with_churn(
     plan: BroadcastPlan,
     times: dict[tuple[int, str], tuple[float, float, float]],
@@ -212,6 +237,7 @@ def with_churn(
     leave_at: dict[str, float],
     seed: int,
     adopt: bool = True,
+    rule: Adoption = Adoption(),
 ) -> tuple[dict[tuple[int, str], float], int, int]:
     """Each remaining (stripe, peer)'s done time when the peers in ``leave_at`` leave then, how
     many stripe streams were recovered by pulls, and how many were adopted by an ancestor."""
@@ -230,7 +256,7 @@ def with_churn(
     trees = []
     for s in plan.stripes:
         args = (plan, s.index, parents[s.index], times, sizes[s.index], chunk, peers, up, rate, leave_at, live)
-        trees.append(_StripeChurn(*args))
+        trees.append(_StripeChurn(*args, rule=rule))
         trees[-1].walk(adopt)
     # (stripe, peer) pulling -> when its stream stopped (a peer that leaves pulls nothing)
     cut = {(t.s, p): b for t in trees for p, b in t.broken.items() if p not in leave_at}
@@ -288,9 +314,10 @@ class _StripeChurn:
         rate: dict[Edge, float],
         leave_at: dict[str, float],
         live: dict[str, int],
+        rule: Adoption = Adoption(),
     ) -> None:
         self.plan, self.s, self.parent, self.times, self.size, self.chunk = plan, s, parent, times, size, chunk
-        self.peers, self.up, self.rate, self.leave_at, self.live = peers, up, rate, leave_at, live
+        self.peers, self.up, self.rate, self.leave_at, self.live, self.rule = peers, up, rate, leave_at, live, rule
         self.order: list[str] = []  # top down
         self.feed: dict[str, float] = {plan.learner: INF}  # the rate each peer receives this stripe at
         self.broken: dict[str, float] = {}  # peers pulling -> when their stream stopped
@@ -346,14 +373,32 @@ class _StripeChurn:
         return out
 
     def _adopt(self, node: str, left: float) -> bool:
-        """Adopt ``node`` (its parent left at ``left``) by the first candidate that may."""
+        """Adopt ``node`` (its parent left at ``left``) by the first candidate that may: its
+        ancestors (``_candidates``), then, with ``rule.earlier``, the ``EARLIER_ASKED`` members
+        earlier in the stripe's order with the largest share; with ``rule.floor``, only those whose
+        share is at least that many times the orphan's planned rate (the learner always)."""
+        need = self.rule.floor * self.rate[(self.s, self.parent[node], node)]
+        ancestors = self._candidates(node)
+        if self._adopt_by(node, left, [a for a in ancestors if a == self.plan.learner or self._share(a) >= need]):
+            return True
+        if not self.rule.earlier:
+            return False
+        seen = {node, *ancestors}
+        earlier = heapq.nlargest(EARLIER_ASKED, (a for a in self.order if a not in seen), key=self._share)
+        return self._adopt_by(node, left, [a for a in earlier if self._share(a) >= need])
+
+    def _share(self, a: str) -> float:
+        """The rate ``a`` could stream one more adoptee this stripe at (before the adoptee's downlink)."""
+        return min(self.up[a] / (self.live[a] + self.taken.get(a, 0) + 1), self.feed.get(a) or 0.0)
+
+    def _adopt_by(self, node: str, left: float, candidates: list[str]) -> bool:
+        """Adopt ``node`` by the first of ``candidates`` that may (see the class docstring)."""
         start, _first, end = self.times[(self.s, node)]
         rest = self.size - _received(left, start, end, self.size)
-        for a in self._candidates(node):
+        for a in candidates:
             if self.taken.get(a, 0) >= self.plan.fanout or a in self.broken or not self.feed.get(a):
                 continue
-            r = min(self.up[a] / (self.live[a] + self.taken.get(a, 0) + 1), self.feed[a])
-            r = min(r, self.peers[node].down / len(self.plan.stripes))
+            r = min(self._share(a), self.peers[node].down / len(self.plan.stripes))
             stays = a == self.plan.learner or self.leave_at.get(a, INF) > left + STALL_S + rest / r
             if stays and (a == self.plan.learner or self.peers[a].reachable):
                 self.taken[a] = self.taken.get(a, 0) + 1
@@ -502,6 +547,7 @@ def delivery(
     seed: int = 0,
     leave_at: dict[str, float] | None = None,
     adopt: bool = True,
+    rule: Adoption = Adoption(),
 ) -> Delivery:
     """One version's delivery. ``leave_at`` (peer → time) fixes who leaves when; else a
     ``churn`` fraction leaves at uniform times in [0, the time without churn]. ``adopt`` off:
@@ -519,7 +565,7 @@ def delivery(
     if not leave_at:
         return Delivery(no_churn, no_churn, 0, 0)
     by_id = {p.peer_id: p for p in peers}
-    done, pulled, adopted = with_churn(plan, times, sizes, chunk, by_id, up, rate, leave_at, seed, adopt)
+    done, pulled, adopted = with_churn(plan, times, sizes, chunk, by_id, up, rate, leave_at, seed, adopt, rule)
     return Delivery(max(done.values()), no_churn, pulled, adopted)
 
 
@@ -548,7 +594,12 @@ def simulate(args: argparse.Namespace) -> dict:
         plan = plan_broadcast(LEARNER, members, args.fanout, args.seed)
         built = time.process_time() - t0
         hop = args.hop_ms / 1000
-        return plan, built, delivery(plan, peers, learner_up, size, chunk, hop_s=hop, churn=args.churn, seed=args.seed)
+        rule = Adoption(args.adopt_floor, args.adopt_earlier)
+        return (
+            plan,
+            built,
+            delivery(plan, peers, learner_up, size, chunk, hop_s=hop, churn=args.churn, seed=args.seed, rule=rule),
+        )
 
     plan, plan_build_s, (predicted, no_churn, recovered, adopted) = run(plan_peers)
     out = {
@@ -569,6 +620,8 @@ def simulate(args: argparse.Namespace) -> dict:
         "plan_bound_s": round(plan_bound(plan, size, up), 3),
         "streams_recovered": recovered,
         "streams_adopted": adopted,
+        "adopt_floor": args.adopt_floor,  # what-ifs (Adoption): 0 and false are the relay's rule
+        "adopt_earlier": args.adopt_earlier,
         "plan_build_s": round(plan_build_s, 3),
     }
     if not (args.no_weights or args.no_baseline):  # the same peers with every relay given k slots
@@ -638,6 +691,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="also plan V more versions with the weights the learner measures (UplinkMeter), without churn",
+    )
+    ap.add_argument(
+        "--adopt-floor",
+        type=float,
+        default=0.0,
+        help="what-if, not the relay's rule: an orphan asks only adopters whose uplink share is at least "
+        "this many times its planned rate (0: the relay's rule)",
+    )
+    ap.add_argument(
+        "--adopt-earlier",
+        action="store_true",
+        help="what-if, not the relay's rule: after its ancestors an orphan asks members earlier in the "
+        "stripe's breadth-first order",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

@@ -170,3 +170,20 @@ def test_weights_the_learner_measures_reach_the_uplink_weights_figure_in_one_ver
     first, *later = out["measured_ratios"]
     assert first == out["baseline_ratio"]
     assert all(r < 0.3 * first and r < 1.2 * out["ratio"] for r in later)
+
+
+def test_the_adoption_what_ifs_change_who_adopts_and_the_default_is_the_relay_s_rule():
+    """``--adopt-floor`` and ``--adopt-earlier`` (bench/flowsim.py ``Adoption``) are what-ifs for the
+    next relay rule; without them the prediction is the relay's (ancestors, then the learner). A
+    floor no peer's share reaches leaves adoption to the learner alone (its slots: fanout per
+    stripe); members earlier in the stripe's order adopt orphans the ancestors could not."""
+    common = ["--peers", "200", "--nat", "0.5", "--size-mb", "64", "--churn", "0.4", "--no-announce", "--no-baseline"]
+    relay = flowsim.simulate(flowsim.parse_args(common))
+    assert relay["ratio"] == flowsim.simulate(flowsim.parse_args([*common, "--adopt-floor", "0"]))["ratio"]
+    assert (relay["adopt_floor"], relay["adopt_earlier"]) == (0.0, False)
+    only_learner = flowsim.simulate(flowsim.parse_args([*common, "--adopt-floor", "1000"]))
+    stripes = len(plan_broadcast(flowsim.LEARNER, [PlanPeer(f"p{i}") for i in range(200)], relay["fanout"]).stripes)
+    assert 0 < only_learner["streams_adopted"] <= relay["fanout"] * stripes < relay["streams_adopted"]
+    earlier = flowsim.simulate(flowsim.parse_args([*common, "--adopt-earlier"]))
+    assert earlier["streams_adopted"] > 2 * relay["streams_adopted"]
+    assert earlier["streams_recovered"] < relay["streams_recovered"] / 2
