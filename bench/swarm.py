@@ -190,9 +190,13 @@ async def worker(args: argparse.Namespace) -> None:
 
 # --- the parent: one learner, the workers, the figures -----------------------------------------
 def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it; one that ended
+    since the listing is skipped)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), cpus)
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:
+            pass
 
 
 def proc_cpu_s(pid: int) -> float:
