@@ -30,11 +30,6 @@ even with start-up frozen: 28 in ~100 s at 0.42-0.51 s each at 1,000 peers, the 
 p99 379 ms. At 20,000 at most one ran in a run (0.28 s); a young collection took 20-115 ms there
 (probably its objects' referents, spread over the learner's heap), loop lag p99 90-103 ms
 (``docs/network-notes.md``, "Lease latency at 1,000 peers")."""
-GEN1_THRESHOLD = 10
-"""Young collections per middle-generation collection (CPython's default)."""
-GEN2_THRESHOLD = 10
-"""Middle-generation collections per full collection (CPython's default; a full collection also
-waits until the objects promoted since the last one are a quarter of those it would scan)."""
 
 
 def after_start_up() -> None:
@@ -42,4 +37,4 @@ def after_start_up() -> None:
     Call once, after the model, task and host are loaded and before serving."""
     gc.collect()  # start-up's garbage goes now, not frozen with the rest
     gc.freeze()
-    gc.set_threshold(GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD)
+    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])  # the older generations: CPython's

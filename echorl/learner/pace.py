@@ -139,15 +139,10 @@ class FleetPace:
         now = time.monotonic() if now is None else now
         r = self._ranking
         age = math.inf if r is None else now - r.at
-        if r is None or not 0 <= age < REFERENCE_TTL_S or (self._changed and age >= self._rank_every_s(r)):
+        if r is None or not 0 <= age < REFERENCE_TTL_S or (self._changed and age >= rescan_after_s(r.members)):
             r = self._ranking = self._rank(now)
             self._changed = False
         return r
-
-    @staticmethod
-    def _rank_every_s(r: Ranking) -> float:
-        """How old a ranking must be before a change is ranked (0: at once)."""
-        return rescan_after_s(r.members)
 
     def reference_rate(self) -> float:
         """Median over addresses of each address's best recent rate (0: no one measured)."""
