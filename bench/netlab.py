@@ -16,8 +16,10 @@ copies ≤ 1.25. ``--compare`` also times a version with NAT'd nodes as plain le
 ``*_nat_leaves`` keys: the baseline, same run). ``--uplink-max-mbps M``: each node's cap drawn
 log-uniformly in [``--uplink-mbps``, M] (``--seed``), the learner's M, each node paced at the same
 fraction of its own cap, and the lower bound max(W/B_learner, N·W/(B_learner + Σ uᵢ));
-``--compare-weights`` first times a version planned without uplink weights (the
-``*_unweighted`` keys), then one with the weights the learner measured (issue 27).
+The timed version is planned as ``echorl learner`` plans by default, without uplink weights;
+``--plan-weights`` plans it with the weights measured over the versions before it (``echorl
+learner --plan-weights``), and ``--compare-weights`` first times a version planned without them
+(the ``*_unweighted`` keys), then one with them (issue 27).
 
 Train mode: ``echorl learner`` and ``echorl node`` processes; prints eval_reward_start,
 eval_reward_end (the learner's held-out evaluation), nodes_contributing and
@@ -81,9 +83,11 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                 nodes = [NodeInfo(n["peer_id"], n["reachable"], tuple(n["addrs"])) for n in json.loads(line)]
                 out: dict = {"event": "result"}
                 # NAT'd nodes pushing to reachable children (the default), then as plain leaves;
-                # with --compare-weights first planned without the weights the learner measures
+                # with --compare-weights first planned without the weights the learner measures,
+                # the timed version as the learner plans it: without weights unless --plan-weights
+                weigh = args.plan_weights or args.compare_weights
                 runs = [(True, False, "_unweighted")] if args.compare_weights else []
-                runs += [(True, True, "")] + ([(False, True, "_nat_leaves")] if args.compare else [])
+                runs += [(True, weigh, "")] + ([(False, weigh, "_nat_leaves")] if args.compare else [])
                 for i, (nat_push, weigh, suffix) in enumerate(runs):
                     warm, timed = 2 * i + 1, 2 * i + 2
                     bc.nat_push, bc.weigh = nat_push, weigh
@@ -151,6 +155,7 @@ def broadcaster_argv(args: argparse.Namespace) -> list[str]:
         str(args.pace_mbps),
         *(["--compare"] if getattr(args, "compare", False) else []),
         *(["--compare-weights"] if getattr(args, "compare_weights", False) else []),
+        *(["--plan-weights"] if getattr(args, "plan_weights", False) else []),
     ]
 
 
@@ -429,6 +434,13 @@ def main() -> None:
         "--uplink-max-mbps", type=float, default=0.0, help="nodes' caps log-uniform up to this (the learner's)"
     )
     ap.add_argument("--seed", type=int, default=0, help="draws the nodes' caps")
+    ap.add_argument(
+        "--plan-weights",
+        action="store_true",
+        help="plan the timed version with the uplink weights measured over the versions before it, as "
+        "`echorl learner --plan-weights` does (default: without, the learner's default; on equal caps "
+        "the measured weights differ by a quantum or two and the plan then gives a node 1.25 copies)",
+    )
     ap.add_argument(
         "--compare-weights",
         action="store_true",

@@ -305,6 +305,10 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                     w.kill()
                     w.wait()
             swarm.stop()
+    if args.events_out:  # the timeline behind the percentiles: one line per event, the window's bounds first
+        with open(f"{args.events_out}.{n}.jsonl", "w") as f:
+            f.write(json.dumps({"window": [t0, t1]}) + "\n")
+            f.writelines(json.dumps({"kind": k, "t": t, "latency_s": lat}) + "\n" for k, t, lat in events)
     inside = [(k, lat) for k, t, lat in events if t0 <= t <= t1]
     lease = [lat for k, lat in inside if k == "lease"]
     lag = [lat for k, lat in inside if k == "lag"]
@@ -382,6 +386,11 @@ def main() -> None:
         default=None,
         help="pin the learner to this CPU and the peers' processes to the others (a learner does not share "
         "its machine with a thousand volunteers; default: all share every core)",
+    )
+    p.add_argument(
+        "--events-out",
+        default="",
+        help="write every peer's events (kind, time, latency) to PATH.N.jsonl, the window's bounds first",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
@@ -45,6 +45,25 @@ loop for a switch interval (5 ms) at a time: at 1,000 peers a burst of submissio
 trio's default 40 threads, the loop woke 0.1-0.3 s late, and leases, whose handling takes several
 loop rounds, waited seconds (``bench/swarm.py``, issue 27)."""
 
+T = TypeVar("T")
+
+INLINE_CHECK_BYTES = 8 * 1024
+"""A submission whose request body is at most this size has its signature verified and its
+completions converted on the trio loop, not in a worker thread: both take well under a millisecond
+there (a 1.9 KB body: 0.23 ms to verify), less than a hand-off to a thread costs the loop, which
+waits for the GIL while the thread runs and wakes for its result (at 1,000 peers with ~650-byte
+bodies, the loop spent 11 % of its samples releasing a worker, and a burst queued seconds at
+``CHECK_THREADS``; ``bench/swarm.py``, issue 27). A larger body (4 prompts × 8 samples × 256
+tokens: 84 KB, 3.3 ms to verify) goes to the threads, as does every reward (a task's verifier may
+cost anything). ``net/serving.py`` decodes bodies up to 64 KiB on the loop by the same reasoning."""
+
+CHECK_TURNS = 4
+"""Submissions whose rows up to the spot check (``TURN_ROWS``) run at once; the others wait their
+turn, first come first served. trio runs every ready task in each round of its loop, so a burst of
+submissions checked at once makes every round long, and a lease request, which takes several
+rounds, waits for all of them; in turns a round holds at most this many submissions' checks and
+leases pass between them. The spot check and the reward, which may take long, run outside the turn."""
+
 log = logging.getLogger(__name__)
 
 INVALID = "rollouts_rejected_invalid"
@@ -64,6 +83,12 @@ class Submission:
     rewards: list[list[float] | None] = field(default_factory=list)
     spot: SpotResult | None = None  # the spot check's result, when one ran
     claimed: bool = False  # this submission holds the lease's check (LeaseBook.claim)
+    body_bytes: int | None = None  # its request's encoded size (None: unknown, checked as a large one)
+
+    @property
+    def small(self) -> bool:
+        """Its signature and conversion are checked on the loop (``INLINE_CHECK_BYTES``)."""
+        return self.body_bytes is not None and self.body_bytes <= INLINE_CHECK_BYTES
 
     @property
     def open_lease(self) -> LeaseRecord:
@@ -119,6 +144,7 @@ class SubmitChecks:
         self.sampling, self.tokenizer, self.vocab_size, self.task = sampling, tokenizer, vocab_size, task
         self.counters = {"signatures_verified": 0} | {c: 0 for row in CHECKS for c in row.counters.values() if c}
         self.threads = trio.CapacityLimiter(CHECK_THREADS)  # every check's worker thread (CHECK_THREADS)
+        self.turns = trio.CapacityLimiter(CHECK_TURNS)  # submissions in the rows before the spot check
 
     def metrics(self) -> dict[str, int]:
         return dict(self.counters)
@@ -131,29 +157,41 @@ class SubmitChecks:
         """Every row in order; the first refusal is counted, settles the lease if the row says
         so, and is raised."""
         try:
-            for row in CHECKS:
-                try:
-                    await row.run(self, sub)
-                except ProtocolError as exc:
-                    counter = row.counters.get(exc.code, next(iter(row.counters.values())))
-                    if counter:
-                        self.counters[counter] += 1
-                    if row.settle is not None and sub.lease is not None:
-                        self.refuse(sub.lease, sub.msg.nonce, row.settle or exc.code.value)
-                    raise
-                if row.passed:
-                    self.counters[row.passed] += 1
+            async with self.turns:
+                await self._rows(sub, CHECKS[:TURN_ROWS])
+            await self._rows(sub, CHECKS[TURN_ROWS:])
         finally:
             if sub.claimed:
                 self.leases.release(sub.msg.lease_id)
+
+    async def _rows(self, sub: Submission, rows: tuple[Check, ...]) -> None:
+        for row in rows:
+            try:
+                await row.run(self, sub)
+            except ProtocolError as exc:
+                counter = row.counters.get(exc.code, next(iter(row.counters.values())))
+                if counter:
+                    self.counters[counter] += 1
+                if row.settle is not None and sub.lease is not None:
+                    self.refuse(sub.lease, sub.msg.nonce, row.settle or exc.code.value)
+                raise
+            if row.passed:
+                self.counters[row.passed] += 1
 
     # --- the rows, in table order -------------------------------------------------------------
     async def run_id_matches(self, sub: Submission) -> None:
         if sub.msg.run_id != self.run_id:
             raise ProtocolError(ErrorCode.SCHEMA, f"run {sub.msg.run_id!r} is not served here")
 
+    async def _off_loop(self, sub: Submission, fn: Callable[[], T]) -> T:
+        """``fn()`` on the loop for a small submission (``INLINE_CHECK_BYTES``), else in one of
+        the checks' worker threads."""
+        if sub.small:
+            return fn()
+        return await trio.to_thread.run_sync(fn, limiter=self.threads)
+
     async def signed_by_sender(self, sub: Submission) -> None:
-        await trio.to_thread.run_sync(wire.verify, sub.msg, sub.peer_id, limiter=self.threads)
+        await self._off_loop(sub, lambda: wire.verify(sub.msg, sub.peer_id))
 
     async def nonce_unseen(self, sub: Submission) -> None:
         self.leases.check_nonce(sub.msg.nonce)
@@ -185,11 +223,11 @@ class SubmitChecks:
         lease, tokenizer = sub.open_lease, self.tokenizer
         if tokenizer is None:  # a service built without one (tests of leasing) reads no completions
             raise ProtocolError(ErrorCode.SCHEMA, "this learner reads no completions")
-        sub.groups = await trio.to_thread.run_sync(
+        sub.groups = await self._off_loop(
+            sub,
             lambda: convert_submission(
                 sub.msg, lease, self.sampling, tokenizer, self.vocab_size, self.admission, self.task
             ),
-            limiter=self.threads,
         )
 
     async def spot_check(self, sub: Submission) -> None:
@@ -323,3 +361,5 @@ CHECKS: tuple[Check, ...] = (
         "The lease is still open after the checks that ran in worker threads (`replay` / `unknown_lease`).",
     ),
 )
+TURN_ROWS = next(i for i, row in enumerate(CHECKS) if row.name == "spot_check")
+"""The rows before the spot check: the ones a submission's turn covers (``CHECK_TURNS``)."""

@@ -357,7 +357,7 @@ class LearnerService:
         """Every check of ``learner/checks.py`` in table order, then the groups go to the buffer
         and the node gets a signed receipt for those accepted."""
         assert isinstance(msg, Submit)
-        sub = Submission(msg, ctx.peer_id)
+        sub = Submission(msg, ctx.peer_id, body_bytes=ctx.body_bytes)
         self.admission.pace.note_version(self.version, time.monotonic())
         try:
             await self.checks.run(sub)

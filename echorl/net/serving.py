@@ -65,6 +65,7 @@ class RequestContext:
     peer_id: str  # the authenticated remote peer (the stream's muxed_conn.peer_id)
     protocol: str
     received_at: float
+    body_bytes: int | None = None  # the request's encoded size (None: unknown, e.g. a test's direct call)
 
 
 @dataclass
@@ -281,7 +282,7 @@ class RouteServer:
                 await self._reply(stream, error_message(exc))
                 await close_quietly(stream)
                 return
-            ctx = RequestContext(peer_id=peer, protocol=route.protocol, received_at=time.time())
+            ctx = RequestContext(peer_id=peer, protocol=route.protocol, received_at=time.time(), body_bytes=len(body))
             try:
                 with trio.fail_after(route.timeout_s):
                     reply = await route.handler(msg, ctx)

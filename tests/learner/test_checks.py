@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,73 @@ def test_the_checks_of_many_submissions_share_a_few_worker_threads(tiny, monkeyp
 
     trio.run(main)
     assert most[0] == checks.CHECK_THREADS == 2
+
+
+def test_a_small_submission_is_verified_and_converted_on_the_loop_a_large_one_in_a_thread(tiny, monkeypatch):
+    """A thread hand-off costs the loop more than a small body's checks (``INLINE_CHECK_BYTES``):
+    the signature and conversion of a ~650-byte submission run on the loop's thread; a body over
+    the limit, or of unknown size, has them in a worker thread; the reward is always a thread's."""
+    import dataclasses
+    import threading
+
+    where: dict[str, list[bool]] = {"verify": [], "convert": [], "score": []}
+    verify, convert = checks.wire.verify, checks.convert_submission
+
+    def on_loop(name, fn):
+        def wrapped(*args, **kwargs):
+            where[name].append(threading.current_thread() is threading.main_thread())
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(checks.wire, "verify", on_loop("verify", verify))
+    monkeypatch.setattr(checks, "convert_submission", on_loop("convert", convert))
+
+    async def main():
+        svc = _service(tiny, settings=ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64))
+        monkeypatch.setattr(svc.buffer, "score", on_loop("score", svc.buffer.score))
+        svc.note_published(0)
+        for size in (700, checks.INLINE_CHECK_BYTES + 1, None):
+            me = Identity.generate()
+            ctx, lease = await _leased(svc, me)
+            msg = signed_submit(me, lease, 0)
+            await svc.on_submit(msg, dataclasses.replace(ctx, body_bytes=size))
+        assert svc.submissions["submissions_accepted"] == 3
+
+    trio.run(main)
+    assert where == {"verify": [True, False, False], "convert": [True, False, False], "score": [False] * 3}
+
+
+def test_a_burst_of_submissions_is_checked_in_turns(tiny, monkeypatch):
+    """trio runs every ready task each round: a burst of submissions checked at once made each
+    round long and a lease wait for all of them. The rows up to the spot check take turns: of 8
+    submissions at once, at most ``CHECK_TURNS`` are in them together, and all 8 are accepted."""
+    inside, most = [0], [0]
+    member = checks.SubmitChecks.still_member
+
+    async def slow_member(self, sub):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        await trio.sleep(0.02)
+        inside[0] -= 1
+        await member(self, sub)
+
+    monkeypatch.setattr(
+        checks, "CHECKS", tuple(replace(r, run=slow_member) if r.name == "member" else r for r in checks.CHECKS)
+    )
+
+    async def main():
+        svc = _service(tiny, settings=ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64))
+        svc.note_published(0)
+        peers = [Identity.generate() for _ in range(8)]
+        for me in peers:
+            svc.peers.add(PeerRecord(me.peer_id, capability(), time.monotonic(), time.monotonic()))
+            svc.peers.load(me.peer_id).on_time_in_row = PROVEN_LEASES
+        leased = [await _leased(svc, me) for me in peers]
+        async with trio.open_nursery() as nursery:
+            for me, (ctx, lease) in zip(peers, leased):
+                nursery.start_soon(svc.on_submit, signed_submit(me, lease, 0), ctx)
+        assert svc.submissions["submissions_accepted"] == 8
+
+    trio.run(main)
+    assert most[0] == checks.CHECK_TURNS == 4
