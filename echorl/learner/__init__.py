@@ -12,6 +12,7 @@ handlers) over components that each own one thing:
 - ``admission.py``: ``Admission`` (held versions, lease limits, deadlines, back-off) and what a
   submission's groups must be (``convert_submission``); ``newcomers.py``: ``Newcomers`` (the
   unproven peers' share of the in-flight budget, earned by answers in time, split by address);
+  ``grants.py``: ``GrantPace`` (leases granted no faster than the loop checks their results);
 - ``checks.py``: ``SubmitChecks`` and ``CHECKS`` (every submission check as one ordered table);
 - ``policing.py``: ``Police`` (spot checks, flags, bans) with ``spot_check.py`` (``SpotChecker``)
   and ``tolerances.py`` (per engine and dtype);

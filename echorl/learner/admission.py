@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from echorl.actor.types import RolloutGroup as ActorGroup
 from echorl.actor.types import Sample as ActorSample
 from echorl.learner.config import AdmissionFields
+from echorl.learner.grants import GrantPace
 from echorl.learner.leases import LeaseRecord
 from echorl.learner.newcomers import Newcomers
 from echorl.learner.pace import DEADLINE_FACTOR, LATE_FACTOR, MAX_DEADLINE_BASES, FleetPace, is_proven
@@ -79,9 +80,11 @@ class Admission:
         self.leases_late = 0  # results that came back later than the fleet's pace allows
         self.pace = FleetPace(self.book)
         self.newcomers = Newcomers(self.book, self.pace)  # the unproven peers' share (newcomers.py)
+        self.grants = GrantPace()  # no faster than the loop checks the results (grants.py)
 
     def metrics(self) -> dict[str, int]:
-        return {"leases_refused": self.leases_refused, "leases_late": self.leases_late, **self.newcomers.counters}
+        counts = {"leases_refused": self.leases_refused, "leases_late": self.leases_late}
+        return counts | self.newcomers.counters | self.grants.metrics()
 
     # --- versions -------------------------------------------------------------------------------
     def note_published(self, version: int, weights_bytes: int = 0) -> None:
@@ -267,6 +270,7 @@ class Admission:
         it took, at most what the fleet takes for such a lease (``pace.expected_s``), so a slow
         answer is never billed more than a fast one."""
         now = time.monotonic() if now is None else now
+        self.grants.note_submission()
         load, seconds, pol = self.load(peer_id), max(1e-3, now - issued_at), self.policy
         fair, in_row = self.pace.expected_s(groups), load.on_time_in_row
         if 0 < late_after_s < seconds:

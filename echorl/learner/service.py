@@ -312,6 +312,8 @@ class LearnerService:
         n = self.admission.lease_prompts(ctx.peer_id, wanted, room, held, active, rule.in_flight_cap, per_lease, now)
         if n <= 0:
             return self._wait(ctx.peer_id, "paced", self.admission.retry_s(ctx.peer_id, now), now)
+        if (grant_wait := self.admission.grants.wait_s(now)) > 0:  # as fast as results can be checked
+            return self._wait(ctx.peer_id, "paced", grant_wait, now)
         prompts = self.buffer.next_prompts(self.task, self.admission.pace.sized(ctx.peer_id, n))
         if not prompts:  # a source that can run dry (``echorl serve``'s sampling requests): ask again soon
             return self._wait(ctx.peer_id, "paced", NO_WORK_RETRY_S, now)
