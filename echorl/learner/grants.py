@@ -27,6 +27,10 @@ went out (a lease's work varies)."""
 PRIOR_COST_S = 0.005
 """The loop's seconds per submission assumed until measured: 4.5-5 ms at 1,000 peers on this 2-core
 machine (``bench/swarm.py``), so a swarm that arrives at once is paced from its first lease."""
+COST_RANGE = (PRIOR_COST_S / 10, PRIOR_COST_S * 10)
+"""A measured cost is taken within these bounds (1.2 to 1,200 grants a second): a loop busy with
+hostile requests that are refused makes each accepted submission look dear, and must not stop the
+grants of a small honest swarm."""
 MEASURE_S = 10.0
 """The cost is measured over windows this long (a few lease times of a fast fleet)."""
 MIN_MEASURED = 100
@@ -88,7 +92,7 @@ class GrantPace:
             return
         cpu = self.cpu()
         if n >= MIN_MEASURED and cpu > cpu0:
-            self.cost_s = (cpu - cpu0) / n
+            self.cost_s = min(max((cpu - cpu0) / n, COST_RANGE[0]), COST_RANGE[1])
         self._window = (now, cpu, 0)
 
     def metrics(self) -> dict[str, int]:

@@ -47,6 +47,11 @@ def test_the_rate_follows_the_loop_s_measured_cost_per_submission():
     pace.wait_s(2 * grants.MEASURE_S + 0.2)
     assert pace.cost_s == pytest.approx(0.002)
     assert pace.metrics()["lease_grants_per_s_max"] == round(grants.UTILIZATION / 0.002)
+    for _ in range(grants.MIN_MEASURED):
+        pace.note_submission()
+    cpu[0] = 1000.0  # a loop busy with refused requests: each accepted one looks dear, within bounds
+    pace.wait_s(3 * grants.MEASURE_S + 0.3)
+    assert pace.cost_s == grants.COST_RANGE[1] and pace.rate > 1
 
 
 def test_at_a_steady_rate_below_capacity_nobody_waits():
