@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None, relay_class: type[Relay] = Relay) -> Non
         help="memory for chunk frames in transit (the rest is read from the store's files)",
     )
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # ECHORL_RELAY_LOG=info: what each stripe's feed did (adopted by whom, what was pulled) in the logs
+    level = os.environ.get("ECHORL_RELAY_LOG", "warning").upper()
+    logging.basicConfig(level=level if level in ("DEBUG", "INFO", "WARNING") else "WARNING", stream=sys.stderr)
     profile = os.environ.get("ECHORL_RELAY_PROFILE")  # a directory: one cProfile dump per process
     if profile:
         import cProfile
