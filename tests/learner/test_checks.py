@@ -243,7 +243,6 @@ def test_a_small_submission_is_verified_and_converted_on_the_loop_a_large_one_in
     """A thread hand-off costs the loop more than a small body's checks (``INLINE_CHECK_BYTES``):
     the signature and conversion of a ~650-byte submission run on the loop's thread; a body over
     the limit, or of unknown size, has them in a worker thread; the reward is always a thread's."""
-    import dataclasses
     import threading
 
     where: dict[str, list[bool]] = {"verify": [], "convert": [], "score": []}
@@ -267,7 +266,7 @@ def test_a_small_submission_is_verified_and_converted_on_the_loop_a_large_one_in
             me = Identity.generate()
             ctx, lease = await _leased(svc, me)
             msg = signed_submit(me, lease, 0)
-            await svc.on_submit(msg, dataclasses.replace(ctx, body_bytes=size))
+            await svc.on_submit(msg, replace(ctx, body_bytes=size))
         assert svc.submissions["submissions_accepted"] == 3
 
     trio.run(main)

@@ -60,3 +60,47 @@ def test_at_a_steady_rate_below_capacity_nobody_waits():
     step = 2 / pace.rate
     assert all(pace.wait_s(10.0 + i * step) == 0 for i in range(2000))
     assert pace.deferred == 0
+
+
+def test_the_learner_defers_a_lease_the_bucket_cannot_serve_and_grants_it_at_its_slot():
+    """In the service: with the bucket spent, a proven peer's lease request is answered
+    ``paced`` with its slot as ``retry_after_s`` (no prompt leaves the buffer); asking again at
+    that slot it gets its lease."""
+    import time
+
+    import trio
+    from swarm import capability
+
+    from echorl.learner.config import ServiceFields
+    from echorl.learner.pace import PROVEN_LEASES
+    from echorl.learner.service import LearnerService, PeerRecord
+    from echorl.net.host import RequestContext
+    from echorl.protocol import routes
+    from echorl.protocol.identity import Identity
+    from echorl.protocol.messages import Lease, LeaseDeferred, LeaseRequest
+    from echorl.rl.buffer import StalenessBuffer
+    from echorl.tasks import load_task
+
+    async def main():
+        task = load_task("addition", digits=2, seed=0)
+        settings = ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64)
+        svc = LearnerService(
+            Identity.generate(), "echorl-demo", task, None, StalenessBuffer(2, task.reward), settings, 100
+        )
+        svc.note_published(0)
+        me = Identity.generate()
+        svc.peers.add(PeerRecord(me.peer_id, capability(), time.monotonic(), time.monotonic()))
+        svc.peers.load(me.peer_id).on_time_in_row = PROVEN_LEASES
+        ctx = RequestContext(peer_id=me.peer_id, protocol=routes.LEASE, received_at=time.time())
+        ask = LeaseRequest(run_id="echorl-demo", version=0, max_prompts=2)
+        while svc.admission.grants.wait_s(time.monotonic()) == 0:  # a burst of grants spends the bucket
+            pass
+        before = svc.buffer.outstanding.copy()
+        reply = await svc.on_lease(ask, ctx)
+        assert isinstance(reply, LeaseDeferred) and reply.reason == "paced"
+        assert 0 < reply.retry_after_s <= 3 / svc.admission.grants.rate  # the slot after the burst's last asker
+        assert svc.buffer.outstanding == before and svc.admission.metrics()["leases_deferred_by_grant_pace"] == 2
+        await trio.sleep(reply.retry_after_s + 0.01)
+        assert isinstance(await svc.on_lease(ask, ctx), Lease)
+
+    trio.run(main)
