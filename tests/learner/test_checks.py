@@ -222,21 +222,23 @@ def test_the_checks_of_many_submissions_share_a_few_worker_threads(tiny, monkeyp
 
     monkeypatch.setattr(checks.wire, "verify", slow_verify)
 
-    async def main():
-        svc = _service(tiny, settings=ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64))
-        svc.note_published(0)
-        peers = [Identity.generate() for _ in range(8)]
-        for me in peers:  # proven workers: the newcomer budget would lease only some of them
-            svc.peers.add(PeerRecord(me.peer_id, capability(), time.monotonic(), time.monotonic()))
-            svc.peers.load(me.peer_id).on_time_in_row = PROVEN_LEASES
-        leased = [await _leased(svc, me) for me in peers]
-        async with trio.open_nursery() as nursery:
-            for me, (ctx, lease) in zip(peers, leased):
-                nursery.start_soon(svc.on_submit, signed_submit(me, lease, 0), ctx)
-        assert svc.submissions["submissions_accepted"] == 8
-
-    trio.run(main)
+    trio.run(_burst, tiny, 8)
     assert most[0] == checks.CHECK_THREADS == 2
+
+
+async def _burst(tiny, n: int) -> None:
+    """``n`` proven peers each submit a lease's answer at the same moment; all are accepted."""
+    svc = _service(tiny, settings=ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64))
+    svc.note_published(0)
+    peers = [Identity.generate() for _ in range(n)]
+    for me in peers:  # proven workers: the newcomer budget would lease only some of them
+        svc.peers.add(PeerRecord(me.peer_id, capability(), time.monotonic(), time.monotonic()))
+        svc.peers.load(me.peer_id).on_time_in_row = PROVEN_LEASES
+    leased = [await _leased(svc, me) for me in peers]
+    async with trio.open_nursery() as nursery:
+        for me, (ctx, lease) in zip(peers, leased):
+            nursery.start_soon(svc.on_submit, signed_submit(me, lease, 0), ctx)
+    assert svc.submissions["submissions_accepted"] == n
 
 
 def test_a_small_submission_is_verified_and_converted_on_the_loop_a_large_one_in_a_thread(tiny, monkeypatch):
@@ -291,18 +293,5 @@ def test_a_burst_of_submissions_is_checked_in_turns(tiny, monkeypatch):
         checks, "CHECKS", tuple(replace(r, run=slow_member) if r.name == "member" else r for r in checks.CHECKS)
     )
 
-    async def main():
-        svc = _service(tiny, settings=ServiceFields(group_size=2, prompts_per_lease=2, prompts_per_step=64))
-        svc.note_published(0)
-        peers = [Identity.generate() for _ in range(8)]
-        for me in peers:
-            svc.peers.add(PeerRecord(me.peer_id, capability(), time.monotonic(), time.monotonic()))
-            svc.peers.load(me.peer_id).on_time_in_row = PROVEN_LEASES
-        leased = [await _leased(svc, me) for me in peers]
-        async with trio.open_nursery() as nursery:
-            for me, (ctx, lease) in zip(peers, leased):
-                nursery.start_soon(svc.on_submit, signed_submit(me, lease, 0), ctx)
-        assert svc.submissions["submissions_accepted"] == 8
-
-    trio.run(main)
+    trio.run(_burst, tiny, 8)
     assert most[0] == checks.CHECK_TURNS == 4
