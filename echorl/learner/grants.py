@@ -28,7 +28,7 @@ PRIOR_COST_S = 0.005
 """The loop's seconds per submission assumed until measured: 4.5-5 ms at 1,000 peers on this 2-core
 machine (``bench/swarm.py``), so a swarm that arrives at once is paced from its first lease."""
 COST_RANGE = (PRIOR_COST_S / 10, PRIOR_COST_S * 10)
-"""A measured cost is taken within these bounds (1.2 to 1,200 grants a second): a loop busy with
+"""A measured cost is taken within these bounds (12 to 1,200 grants a second): a loop busy with
 hostile requests that are refused makes each accepted submission look dear, and must not stop the
 grants of a small honest swarm."""
 MEASURE_S = 10.0
