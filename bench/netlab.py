@@ -85,9 +85,9 @@ def broadcaster_main(args: argparse.Namespace) -> None:
                 # NAT'd nodes pushing to reachable children (the default), then as plain leaves;
                 # with --compare-weights first planned without the weights the learner measures,
                 # the timed version as the learner plans it: without weights unless --plan-weights
-                weigh = args.plan_weights or args.compare_weights
+                weighted = args.plan_weights or args.compare_weights
                 runs = [(True, False, "_unweighted")] if args.compare_weights else []
-                runs += [(True, weigh, "")] + ([(False, weigh, "_nat_leaves")] if args.compare else [])
+                runs += [(True, weighted, "")] + ([(False, weighted, "_nat_leaves")] if args.compare else [])
                 for i, (nat_push, weigh, suffix) in enumerate(runs):
                     warm, timed = 2 * i + 1, 2 * i + 2
                     bc.nat_push, bc.weigh = nat_push, weigh

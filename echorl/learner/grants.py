@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from echorl.learner.pace import SlotClock
+
 UTILIZATION = 0.6
 """The share of the loop's measured capacity that grants may fill: room for a lease's own requests,
 joins, pings and status reads, and for submissions that come back closer together than their grants
@@ -54,8 +56,9 @@ class GrantPace:
         self.deferred = 0  # requests deferred by the bucket (the metrics row)
         self._tokens = self.rate * BURST_S
         self._at = -1.0  # when the bucket was last refilled (-1: never)
-        self._slot_next = 0.0  # the shared clock: when the next deferred asker should come back
-        self._window: tuple[float, float, int] | None = None  # (started, loop CPU then, submissions since)
+        self._slots = SlotClock()  # when deferred askers should come back
+        self._window: tuple[float, float] | None = None  # (started, loop CPU then)
+        self._submitted = 0  # accepted submissions since the window started
 
     @property
     def rate(self) -> float:
@@ -63,9 +66,7 @@ class GrantPace:
         return UTILIZATION / self.cost_s
 
     def note_submission(self) -> None:
-        if self._window is not None:
-            start, cpu0, n = self._window
-            self._window = (start, cpu0, n + 1)
+        self._submitted += 1
 
     def wait_s(self, now: float) -> float:
         """0: a lease may be granted now (it takes a token); else the seconds this asker should
@@ -78,22 +79,15 @@ class GrantPace:
             self._tokens -= 1.0
             return 0.0
         self.deferred += 1
-        self._slot_next = min(max(self._slot_next, now + (1.0 - self._tokens) / self.rate), now + MAX_WAIT_S)
-        wait = self._slot_next - now
-        self._slot_next += 1.0 / self.rate
-        return wait
+        return self._slots.take(now, 1.0 / self.rate, (1.0 - self._tokens) / self.rate, MAX_WAIT_S)
 
     def _measure(self, now: float) -> None:
-        if self._window is None:
-            self._window = (now, self.cpu(), 0)
+        if self._window is not None and now - self._window[0] < MEASURE_S:
             return
-        start, cpu0, n = self._window
-        if now - start < MEASURE_S:
-            return
-        cpu = self.cpu()
-        if n >= MIN_MEASURED and cpu > cpu0:
-            self.cost_s = min(max((cpu - cpu0) / n, COST_RANGE[0]), COST_RANGE[1])
-        self._window = (now, cpu, 0)
+        cpu, n = self.cpu(), self._submitted
+        if self._window is not None and n >= MIN_MEASURED and cpu > self._window[1]:
+            self.cost_s = min(max((cpu - self._window[1]) / n, COST_RANGE[0]), COST_RANGE[1])
+        self._window, self._submitted = (now, cpu), 0
 
     def metrics(self) -> dict[str, int]:
         return {"lease_grants_per_s_max": round(self.rate), "leases_deferred_by_grant_pace": self.deferred}

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Collection
 
 from echorl.learner.leases import LeaseRecord
-from echorl.learner.pace import FleetPace, is_proven, rescan_after_s
+from echorl.learner.pace import FleetPace, SlotClock, is_proven, rescan_after_s
 from echorl.learner.peers import PeerBook
 
 ASKING_WINDOW_S = 10.0
@@ -83,7 +83,7 @@ class Newcomers:
         self._held: dict[str, int] = {}  # address -> prompts its unproven peers hold, as last counted
         self._held_at = -math.inf  # when ``_held`` was counted (``rescan_after_s`` of the open leases)
         self.earned: deque[float] = deque()  # when each earned lease was earned, oldest first
-        self._retry_next = 0.0  # the next free slot of the unproven peers' shared retry clock
+        self._retries = SlotClock()  # the unproven peers' shared retry clock
         self.counters = {"newcomer_leases_earned": 0, "newcomer_leases_lost": 0}
 
     def answered(self, in_row_before: int, now: float) -> None:
@@ -189,5 +189,5 @@ class Newcomers:
     def retry_s(self, now: float) -> float:
         """``retry_after_s`` for a deferred unproven peer: ``UNPROVEN_RETRY_S``, or later when the
         shared clock's next free slot is later (``UNPROVEN_SLOT_S``; at most ``UNPROVEN_RETRY_MAX_S``)."""
-        self._retry_next = min(max(self._retry_next, now) + UNPROVEN_SLOT_S, now + UNPROVEN_RETRY_MAX_S)
-        return max(UNPROVEN_RETRY_S, self._retry_next - now)
+        slot = self._retries.take(now, UNPROVEN_SLOT_S, UNPROVEN_SLOT_S, UNPROVEN_RETRY_MAX_S)
+        return max(UNPROVEN_RETRY_S, slot)

@@ -220,3 +220,19 @@ class FleetPace:
 
     def _load(self, peer_id: str) -> PeerLoad:
         return self.book.loads.get(peer_id) or PeerLoad()
+
+
+class SlotClock:
+    """A shared clock of retry slots: each deferred asker is told to come back at the next free
+    slot, ``slot_s`` after the one before, so a crowd deferred at once returns spread out, not
+    together (``Newcomers.retry_s``, ``GrantPace.wait_s``)."""
+
+    def __init__(self) -> None:
+        self._next = 0.0  # the next free slot
+
+    def take(self, now: float, slot_s: float, earliest_s: float, most_s: float) -> float:
+        """Seconds from ``now`` to the slot taken: the next free one, at least ``earliest_s`` and
+        at most ``most_s`` away."""
+        at = min(max(self._next, now + earliest_s), now + most_s)
+        self._next = at + slot_s
+        return at - now
