@@ -23,10 +23,10 @@ between ``--uplink-mbps`` and ``--uplink-max-mbps`` (an assumption, see docs/bro
 - **Churn**: a fraction ``--churn`` of the peers leave at uniform random times in
   [0, T₀] (T₀: the time without churn). A peer whose parent left before the stripe had passed
   it hears nothing for ``stall_s`` (relay default 10 s: the first-byte deadline), then is
-  **adopted** (``broadcast/stripe_feed.py``) by the first of its ancestors (the learner last;
-  the siblings before it first when its parent was the stripe's head) that stays, can be dialled
-  (or is the learner)
-  and has adopted fewer than ``fanout`` in that stripe: the rest of the
+  **adopted** by the first that the relay asks (``broadcast/adoption.py: adopters``, called
+  here: ancestors, uncles, a stripe head's orphans their earlier siblings, the learner last)
+  that stays, can be dialled (or is the learner) and has room (``VersionState.adopt``:
+  ``fanout`` descendants and siblings a stripe, ``adoption_slots`` nephews): the rest of the
   stripe at a fair share of the adopter's uplink beside its streams to peers that stay, no
   faster than the adopter receives it; its own subtree follows it a chunk-time behind (a
   stalled parent that answers a ping is waited for once more, so they do not walk away). With
@@ -82,6 +82,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit
 
+from echorl.broadcast.adoption import adopters, adoption_slots, is_nephew
 from echorl.broadcast.recovery import IN_FLIGHT, PEERS_ASKED
 from echorl.broadcast.uplinks import weight_of
 from echorl.protocol.identity import peer_id_from_public_key
@@ -213,7 +214,7 @@ EARLIER_ASKED = 64
 
 @dataclass(frozen=True)
 class Adoption:
-    """Which peers adopt an orphan. The defaults are the relay's rule (``broadcast/stripe_feed.py``);
+    """Which peers adopt an orphan. The defaults are the relay's rule (``broadcast/adoption.py``);
     the others are **what-ifs** the relay does not have (``--adopt-floor``, ``--adopt-earlier``)."""
 
     floor: float = 0.0
@@ -293,11 +294,10 @@ def with_churn(
 class _StripeChurn:
     """One stripe's tree under churn, top down (``broadcast/stripe_feed.py``): a peer whose parent
     left before the stripe had passed it hears nothing for ``STALL_S``, then is adopted by the
-    first of its ancestors (the learner last; the siblings before it first when its parent was
-    the stripe's head) that stays until it is done, can be dialled (or is the learner), is not pulling and has adopted
-    fewer than ``fanout`` in this stripe: the rest of the stripe at a fair share of the adopter's
-    uplink beside its streams to peers that stay, no faster than the adopter receives it. With no
-    such peer it pulls. Every other peer follows its parent a
+    first of those the relay asks (``adopters``) that stays until it is done, can be dialled (or
+    is the learner), is not pulling and has room (``_full``): the rest of the stripe at a fair
+    share of the adopter's uplink beside its streams to peers that stay, no faster than the
+    adopter receives it. With no such peer it pulls. Every other peer follows its parent a
     chunk-time behind, a pulling one too (a stalled parent that answers a ping is waited for once
     more). ``adopt`` off (the relay before adoption): a cut peer and everyone under it pull."""
 
@@ -322,7 +322,8 @@ class _StripeChurn:
         self.feed: dict[str, float] = {plan.learner: INF}  # the rate each peer receives this stripe at
         self.broken: dict[str, float] = {}  # peers pulling -> when their stream stopped
         self.adopted: dict[str, tuple[str, float, float]] = {}  # peer -> (adopter, rate, when cut)
-        self.taken: dict[str, int] = {}  # adopter -> peers adopted in this stripe
+        self.taken: dict[str, int] = {}  # adopter -> descendants and siblings (the learner: anyone) adopted
+        self.nephews: dict[str, int] = {}  # relay -> nephews it adopted in this stripe
 
     def walk(self, adopt: bool) -> None:
         """Decide, top down, who follows its parent, who is adopted by whom, who pulls."""
@@ -359,26 +360,13 @@ class _StripeChurn:
                 done[node] = max(planned, done[p] + min(self.chunk, self.size) / self.rate[(self.s, p, node)])
         return done
 
-    def _candidates(self, node: str) -> list[str]:
-        """Whom ``node`` asks, in order (``StripeFeed._adopted``): the ancestors above its parent,
-        the learner last; when that is the learner alone (its parent was the stripe's head), the
-        siblings before it first, nearest first."""
-        out, a = [], self.parent[node]
-        while a != self.plan.learner:
-            a = self.parent[a]
-            out.append(a)
-        if out == [self.plan.learner]:
-            siblings = self.plan.stripes[self.s].children[self.parent[node]]
-            out = [*reversed(siblings[: siblings.index(node)]), *out]
-        return out
-
     def _adopt(self, node: str, left: float) -> bool:
-        """Adopt ``node`` (its parent left at ``left``) by the first candidate that may: its
-        ancestors (``_candidates``), then, with ``rule.earlier``, the ``EARLIER_ASKED`` members
+        """Adopt ``node`` (its parent left at ``left``) by the first candidate that may: those the
+        relay asks (``adopters``), then, with ``rule.earlier``, the ``EARLIER_ASKED`` members
         earlier in the stripe's order with the largest share; with ``rule.floor``, only those whose
         share is at least that many times the orphan's planned rate (the learner always)."""
         need = self.rule.floor * self.rate[(self.s, self.parent[node], node)]
-        ancestors = self._candidates(node)
+        ancestors = adopters(self.plan, self.s, node)
         if self._adopt_by(node, left, [a for a in ancestors if a == self.plan.learner or self._share(a) >= need]):
             return True
         if not self.rule.earlier:
@@ -389,19 +377,28 @@ class _StripeChurn:
 
     def _share(self, a: str) -> float:
         """The rate ``a`` could stream one more adoptee this stripe at (before the adoptee's downlink)."""
-        return min(self.up[a] / (self.live[a] + self.taken.get(a, 0) + 1), self.feed.get(a) or 0.0)
+        return min(
+            self.up[a] / (self.live[a] + self.taken.get(a, 0) + self.nephews.get(a, 0) + 1), self.feed.get(a) or 0.0
+        )
+
+    def _full(self, a: str, node: str) -> bool:
+        """``VersionState.adopt``: ``fanout`` descendants per stripe, ``adoption_slots`` others."""
+        if is_nephew(self.parent, self.plan.learner, a, node):
+            return self.nephews.get(a, 0) >= adoption_slots(self.plan, a)
+        return self.taken.get(a, 0) >= self.plan.fanout
 
     def _adopt_by(self, node: str, left: float, candidates: list[str]) -> bool:
         """Adopt ``node`` by the first of ``candidates`` that may (see the class docstring)."""
         start, _first, end = self.times[(self.s, node)]
         rest = self.size - _received(left, start, end, self.size)
         for a in candidates:
-            if self.taken.get(a, 0) >= self.plan.fanout or a in self.broken or not self.feed.get(a):
+            if self._full(a, node) or a in self.broken or not self.feed.get(a):
                 continue
             r = min(self._share(a), self.peers[node].down / len(self.plan.stripes))
             stays = a == self.plan.learner or self.leave_at.get(a, INF) > left + STALL_S + rest / r
             if stays and (a == self.plan.learner or self.peers[a].reachable):
-                self.taken[a] = self.taken.get(a, 0) + 1
+                counts = self.nephews if is_nephew(self.parent, self.plan.learner, a, node) else self.taken
+                counts[a] = counts.get(a, 0) + 1
                 self.adopted[node] = (a, r, left)
                 self.feed[node] = r
                 return True

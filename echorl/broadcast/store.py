@@ -28,6 +28,7 @@ from pathlib import Path
 
 import trio
 
+from echorl.broadcast.adoption import adoption_slots, is_nephew, may_adopt
 from echorl.broadcast.files import ChunkCache, create_file, read_at, write_at
 from echorl.protocol import delta as delta_mod
 from echorl.protocol import snapshot, wire
@@ -195,7 +196,9 @@ class VersionState:
         self._up = [st.parent_of() for st in self.plan.stripes]  # per stripe: member -> its parent
         self.parents = {s: up.get(me) for s, up in enumerate(self._up)}
         self.children = {s: st.children.get(me, ()) for s, st in enumerate(self.plan.stripes)}
-        self._adopted: dict[int, set[str]] = {}  # stripe -> descendants streamed to off the plan
+        self._adopted: dict[int, set[str]] = {}  # stripe -> members streamed to off the plan
+        self._nephews: dict[int, int] = {}  # stripe -> how many of those are nephews (``adoption_slots``)
+        self._orders: dict[int, dict[str, int]] = {}  # stripe -> breadth-first order (asked for on adoption)
         self._changed = trio.Event()
         self.done = trio.Event()
         self.started = time.monotonic()
@@ -300,28 +303,33 @@ class VersionState:
         """This peer's ancestors in stripe ``s``, its plan parent first, the learner last."""
         return list(self._up_from(s, self.me))
 
-    def earlier_siblings(self, s: int) -> list[str]:
-        """The children of this peer's plan parent in stripe ``s`` listed before it, nearest first
-        (an orphan asks them before its ancestors: a chain of siblings, each fed by the one before,
-        spreads the repair over their uplinks instead of the learner's)."""
-        return list(reversed(self._earlier_than(s, self.me)))
-
     def adopt(self, s: int, peer: str) -> bool:
         """Whether to stream stripe ``s`` to ``peer``: a plan child; or, when its own parent
-        failed (adoption, ``broadcast/stripe_feed.py``), a descendant or a sibling listed after
-        this peer, at most ``fanout`` of those per stripe: an extra copy of a stripe at most,
-        whatever a hostile member asks. (Streams go only down the tree or to a later sibling, so
-        no two peers can wait on each other.)"""
+        failed (``broadcast/adoption.py``), a member after this peer in the stripe's
+        breadth-first order (``may_adopt``): per stripe at most ``fanout`` descendants and
+        later siblings (the learner: anyone; an extra copy of a stripe at most) and
+        ``adoption_slots`` nephews, whatever a hostile member asks."""
         if peer in self.children.get(s, ()):
             return True
         adopted = self._adopted.setdefault(s, set())
         if peer in adopted:
             return True
-        descends = self.me in self._up_from(s, peer)
-        if len(adopted) >= self.plan.fanout or not (descends or self.me in self._earlier_than(s, peer)):
+        if not may_adopt(self._order(s), self.me, peer):
+            return False
+        if not is_nephew(self._up[s], self.plan.learner, self.me, peer):
+            if len(adopted) - self._nephews.get(s, 0) >= self.plan.fanout:
+                return False
+        elif self._nephews.get(s, 0) < adoption_slots(self.plan, self.me):
+            self._nephews[s] = self._nephews.get(s, 0) + 1
+        else:
             return False
         adopted.add(peer)
         return True
+
+    def _order(self, s: int) -> dict[str, int]:
+        if s not in self._orders:
+            self._orders[s] = self.plan.stripes[s].order_of(self.plan.learner)
+        return self._orders[s]
 
     def _up_from(self, s: int, peer: str) -> Iterator[str]:
         """``peer``'s ancestors in stripe ``s``, nearest first (a plan is a tree: bounded anyway)."""
@@ -331,15 +339,6 @@ class VersionState:
                 return
             yield up
             up = self._up[s].get(up)
-
-    def _siblings(self, s: int) -> tuple[str, ...]:
-        parent = self.parents.get(s)
-        return self.plan.stripes[s].children.get(parent, ()) if parent is not None else ()
-
-    def _earlier_than(self, s: int, peer: str) -> tuple[str, ...]:
-        """The siblings of this peer listed before ``peer`` (empty if ``peer`` is not one)."""
-        siblings = self._siblings(s)
-        return siblings[: siblings.index(peer)] if peer in siblings else ()
 
     def held_prefix(self, s: int) -> int:
         """How many of stripe ``s``'s chunks, in stripe order, this peer holds before the

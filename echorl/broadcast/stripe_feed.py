@@ -5,14 +5,14 @@ Adoption (issue 27, self-repair under churn): when a plan parent dies mid-versio
 lose the rest of the stripe, and so does everything under them. Pulling the missing chunks one
 request at a time from random holders, the learner last, took twice the no-churn time in the
 namespace lab and had the learner upload 1.9 copies. Instead the orphan subscribes for the
-stripe *but the chunks it holds* (``Subscribe.skip``) to its grandparent (then the next
-ancestor up, the learner last), and goes on forwarding to its own children as before: one
-stream repairs the whole subtree. The orphans of a dead stripe head, whose grandparent is the
-learner, first ask the sibling listed just before them (then the one before that): they become
-a chain the learner feeds once, not ``fanout`` times. A peer streams to at most ``fanout`` such
-adoptees per stripe beyond its plan children, only descendants and later siblings
-(``VersionState.adopt``: at most one more copy of the stripe, whatever a hostile member asks,
-and no two peers can wait on each other), so a member refused there tries the next candidate.
+stripe *but the chunks it holds* (``Subscribe.skip``) to its grandparent, and goes on
+forwarding to its own children as before: one stream repairs the whole subtree. Whom it asks
+next, the learner last, is ``broadcast/adoption.py``'s rule (ancestors, uncles, earlier
+siblings; none whose uplink would be too slow). A peer streams to at most ``fanout`` such
+adoptees per stripe beyond its plan children, only members after it in the stripe's
+breadth-first order (``VersionState.adopt``: at most one more copy of the stripe, whatever a
+hostile member asks, and no two peers can wait on each other), so a member refused there tries
+the next candidate.
 Only the plan parent's failure is reported to the learner (``BroadcastDone.suspects``); an
 ancestor that refuses or stalls an adoption may just have lost its own feed. A parent that
 stalls but still answers a ping is asked once more before it counts as failed: it may be being
@@ -27,6 +27,7 @@ import logging
 
 import trio
 
+from echorl.broadcast.adoption import adopters
 from echorl.broadcast.deadlines import Deadlines
 from echorl.broadcast.push import PushInbox
 from echorl.broadcast.recovery import recover_stripe
@@ -110,16 +111,11 @@ class StripeFeed:
         return True
 
     async def _adopted(self, state: VersionState, s: int, suspects: set[str]) -> None:
-        """The rest of stripe ``s`` from the first that adopts us: an ancestor above the failed
-        parent, nearest first, the learner last. When that is the learner alone (the parent was
-        the stripe's head), the siblings before us are asked first, nearest first: the learner's
-        uplink is the one every peer shares, so it feeds the head's orphans once, as a chain, not
-        ``fanout`` times; a relay's grandparent adopts its orphans as well (and a sibling chain of
-        slow uplinks is as slow as its slowest: in the simulator, siblings first everywhere made
-        40 % churn of 1,000 peers 4.6 × the bound, against 1.5 ×)."""
-        sources = state.ancestors(s)[1:]
-        if sources == [state.plan.learner]:
-            sources = [*state.earlier_siblings(s), *sources]
+        """The rest of stripe ``s`` from the first that adopts us (``broadcast/adoption.py``:
+        ancestors above the failed parent, uncles, earlier siblings, the learner last; relays
+        whose uplink share would be too slow left out). A dead candidate fails at its dial and
+        the next is asked."""
+        sources = adopters(state.plan, s, state.me)
         for source in sources:
             if state.stripe_complete(s):
                 return

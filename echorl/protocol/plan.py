@@ -61,6 +61,12 @@ class Stripe:
                 queue.append(child)
         return depth
 
+    def order_of(self, learner: str) -> dict[str, int]:
+        """Each member's place in the stripe's breadth-first order, the learner 0 (parent before
+        child, earlier before later among children; a depth before the next): streams that go
+        only forward in it cannot wait on each other (``VersionState.adopt``)."""
+        return {p: i for i, p in enumerate(self.depth_of(learner))}
+
 
 @dataclass(frozen=True)
 class BroadcastPlan:
@@ -87,10 +93,14 @@ class BroadcastPlan:
         """True when ``parent`` cannot be dialled and so dials ``child`` and pushes to it."""
         return parent != self.learner and parent in self.unreachable and child not in self.unreachable
 
+    def streams(self, peer_id: str) -> int:
+        """Child streams ``peer_id`` forwards, over all stripes."""
+        return sum(len(s.children.get(peer_id, ())) for s in self.stripes)
+
     def upload_copies(self, peer_id: str) -> float:
         """Copies of the snapshot ``peer_id`` forwards (children × stripe share), for large
         snapshots where each stripe carries 1/k of the chunks."""
-        return sum(len(s.children.get(peer_id, ())) for s in self.stripes) / len(self.stripes)
+        return self.streams(peer_id) / len(self.stripes)
 
 
 AUTO_CHUNK_MIN = 64 * 1024

@@ -1,7 +1,9 @@
-"""Adoption (``broadcast/stripe_feed.py``): a relay whose plan parent fails takes the rest of
-the stripe from the nearest ancestor that adopts it. Here the rule each ancestor applies
-(``VersionState.adopt``: its plan children, and at most ``fanout`` descendants per stripe) and
-what an orphan asks for (its ancestors in order; the chunks it lacks), and a stalled parent
+"""Adoption (``broadcast/stripe_feed.py``, ``broadcast/adoption.py``): a relay whose plan parent
+fails takes the rest of the stripe from the first that adopts it. Here the rule each adopter
+applies (``VersionState.adopt``: its plan children; per stripe at most ``fanout`` descendants
+and later siblings, ``adoption_slots`` nephews; never a member before it in the stripe's
+order), whom an orphan asks (``adopters``: ancestors, uncles, a stripe head's orphans their
+earlier siblings, the learner last) and for what (the chunks it lacks), and a stalled parent
 that is alive asked once more before its subtree walks away."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import trio
 from swarm import safetensors_f32
 from trio.testing import memory_stream_pair
 
+from echorl.broadcast.adoption import adopters, adoption_slots
 from echorl.broadcast.deadlines import Deadlines
 from echorl.broadcast.store import VersionState, WeightStore, chunk_body
 from echorl.broadcast.stripe_feed import StripeFeed
@@ -30,7 +33,7 @@ CHUNK = 16 * 1024
 DATA = safetensors_f32(np.arange(64 * 1024, dtype=np.float32))
 
 
-def _announce(n_members: int) -> tuple[PlanAnnounce, Identity]:
+def _announce(n_members: int, fanout: int = FANOUT) -> tuple[PlanAnnounce, Identity]:
     learner = Identity.generate()
     manifest = snapshot.build_manifest(learner, "r", 1, -1, DATA, DATA, chunk_bytes=CHUNK)[0]
     members = [PlanMember(peer_id=Identity.generate().peer_id, reachable=True, addrs=[]) for _ in range(n_members)]
@@ -40,7 +43,7 @@ def _announce(n_members: int) -> tuple[PlanAnnounce, Identity]:
         version=1,
         manifest=manifest,
         shape="striped",
-        fanout=FANOUT,
+        fanout=fanout,
         seed=0,
         learner_addrs=[],
         members=members,
@@ -63,31 +66,76 @@ def test_an_orphan_asks_its_ancestors_nearest_first_and_the_learner_last() -> No
     assert all(up[a] == b for a, b in zip(chain, chain[1:]))  # each the parent of the one before
 
 
-def test_an_ancestor_adopts_at_most_fanout_descendants_per_stripe_and_no_one_else() -> None:
+def test_an_ancestor_adopts_at_most_fanout_descendants_per_stripe_and_no_one_before_it() -> None:
     ann, learner = _announce(14)
     stripe = _state(ann, learner.peer_id).plan.stripes[0]
     up = stripe.parent_of()
+    order = stripe.order_of(learner.peer_id)
     below = {p: [c for c in up if _descends(up, c, p)] for p in up}
-    # a relay with grandchildren enough, and peers outside its subtree
+    # a relay with grandchildren enough, and peers before it in the stripe's order
     relay = next(p for p in up if FANOUT + 1 < len(below[p]) < len(up) - 1)
     mine = _state(ann, relay)
     descendants = [c for c in below[relay] if c not in stripe.children[relay]]
-    outsiders = [p for p in up if p != relay and p not in below[relay]]
-    assert len(descendants) > FANOUT and outsiders
+    before = [p for p in up if order[p] < order[relay]]
+    assert len(descendants) > FANOUT and before
     assert all(mine.adopt(0, c) for c in stripe.children[relay])  # plan children: always
-    assert not mine.adopt(0, outsiders[0])  # not below it in this stripe: never
+    assert not any(mine.adopt(0, p) for p in before)  # before it in this stripe: never
     assert [mine.adopt(0, d) for d in descendants] == [True] * FANOUT + [False] * (len(descendants) - FANOUT)
     assert mine.adopt(0, descendants[0])  # one adopted may subscribe again (a retry)
     assert not mine.adopt(0, learner.peer_id)
 
 
-def test_an_orphan_asks_the_siblings_before_it_and_only_a_later_sibling_is_adopted() -> None:
+def test_a_relay_adopts_nephews_only_within_its_adoption_slots() -> None:
+    """A relay's nephews (its siblings' children) count against ``adoption_slots``: ⌊streams/4⌋
+    a stripe (each of its own streams keeps 4/5 of its rate), not ``fanout``; a relay of three
+    streams or fewer adopts none; its descendants still have ``fanout`` places."""
+    ann, learner = _announce(60, fanout=4)
+    plan = _state(ann, learner.peer_id).plan
+    stripe = plan.stripes[0]
+    up = stripe.parent_of()
+
+    def nephews(p: str) -> list[str]:
+        return [c for u in stripe.children.get(up[p], ()) if u != p for c in stripe.children.get(u, ())]
+
+    busy = next(p for p in up if plan.streams(p) >= 4 and len(nephews(p)) > adoption_slots(plan, p))
+    slots = adoption_slots(plan, busy)
+    assert slots == plan.streams(busy) // 4 >= 1
+    mine = _state(ann, busy)
+    got = [mine.adopt(0, n) for n in nephews(busy)]
+    assert got == [True] * slots + [False] * (len(got) - slots)
+    idle = next(p for p in up if 0 < plan.streams(p) < 4 and nephews(p))
+    assert adoption_slots(plan, idle) == 0 and not _state(ann, idle).adopt(0, nephews(idle)[0])
+
+
+def test_an_orphan_asks_its_ancestors_then_its_uncles_each_sibling_from_a_different_one() -> None:
+    ann, learner = _announce(60, fanout=4)
+    plan = _state(ann, learner.peer_id).plan
+    stripe = plan.stripes[0]
+    up = stripe.parent_of()
+    depth = stripe.depth_of(learner.peer_id)
+    # a parent two below the head with two children or more, and uncles that may adopt
+    parent = next(
+        p
+        for p, d in depth.items()
+        if d == 3
+        and len(stripe.children.get(p, ())) >= 2
+        and sum(adoption_slots(plan, u) > 0 for u in stripe.children[up[p]]) >= 3
+    )
+    first, second = stripe.children[parent][:2]
+    uncles = [u for u in stripe.children[up[parent]] if u != parent and adoption_slots(plan, u) > 0]
+    asked = adopters(plan, 0, first)
+    assert asked[:2] == [up[parent], up[up[parent]]]  # grandparent, then the head
+    assert sorted(asked[2:-1]) == sorted(uncles) and asked[-1] == learner.peer_id
+    assert adopters(plan, 0, second)[2] != asked[2]  # the next orphan starts at another uncle
+
+
+def test_a_stripe_head_s_orphans_ask_the_siblings_before_them_and_only_a_later_sibling_is_adopted() -> None:
     ann, learner = _announce(14)
-    stripe = _state(ann, learner.peer_id).plan.stripes[0]
-    parent = next(p for p, cs in stripe.children.items() if len(cs) == FANOUT and p != learner.peer_id)
-    first, second = stripe.children[parent]
-    assert _state(ann, second).earlier_siblings(0) == [first]
-    assert _state(ann, first).earlier_siblings(0) == []
+    plan = _state(ann, learner.peer_id).plan
+    head = plan.stripes[0].children[learner.peer_id][0]
+    first, second = plan.stripes[0].children[head][:2]
+    assert adopters(plan, 0, second) == [first, learner.peer_id]
+    assert adopters(plan, 0, first) == [learner.peer_id]
     assert _state(ann, first).adopt(0, second)  # down the sibling order: yes
     assert not _state(ann, second).adopt(0, first)  # up it: never (no two peers wait on each other)
 
@@ -124,7 +172,7 @@ def test_a_stalled_parent_that_answers_a_ping_is_asked_once_more_else_an_ancesto
     me = next(p for p, d in depth.items() if d >= 3 and view.plan.stripes[0].children[up[p]][0] == p)
     state = _state(ann, me)
     parent, grandparent = state.ancestors(0)[:2]
-    assert state.earlier_siblings(0) == []  # a first child: its grandparent is the first it asks
+    assert adopters(state.plan, 0, me)[0] == grandparent  # its grandparent is the first it asks
     stripe = list(state.stripe_indices(0))
     assert len(stripe) >= 2
     bodies = [
