@@ -26,9 +26,10 @@ Imports ``echorl.protocol`` (manifests, chunks, deltas, plans) and ``echorl.net`
   child and pushes its stripe).
 - ``stripe_feed.py``: ``StripeFeed`` (one stripe into a relay: from its plan parent; if that
   fails, adopted by a live relay or the learner; what is still missing, pulled).
-- ``adoption.py``: ``adopters`` (whom an orphan asks, in order: ancestors, uncles, earlier
-  siblings, the learner last; none too slow), ``may_adopt`` (whom a relay streams to off the
-  plan); the simulator (``bench/flowsim.py``) uses the same functions.
+- ``adoption.py``: ``adopters`` (whom an orphan asks, in order: ancestors, uncles with room, a
+  stripe head's orphans their earlier siblings, the learner last), ``may_adopt``,
+  ``is_nephew``, ``adoption_slots`` (whom a relay streams to off the plan, and how many); the
+  simulator (``bench/flowsim.py``) uses the same functions.
 - ``recovery.py``: ``recover_stripe`` (a stalled stripe's chunks from other holders),
   ``fetch_payload`` (a caught-up version's payload, chunk by chunk).
 - ``relay_process.py``: a bare relay as an OS process (benchmarks and tests).

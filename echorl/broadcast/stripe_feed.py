@@ -7,12 +7,12 @@ request at a time from random holders, the learner last, took twice the no-churn
 namespace lab and had the learner upload 1.9 copies. Instead the orphan subscribes for the
 stripe *but the chunks it holds* (``Subscribe.skip``) to its grandparent, and goes on
 forwarding to its own children as before: one stream repairs the whole subtree. Whom it asks
-next, the learner last, is ``broadcast/adoption.py``'s rule (ancestors, uncles, earlier
-siblings; none whose uplink would be too slow). A peer streams to at most ``fanout`` such
-adoptees per stripe beyond its plan children, only members after it in the stripe's
-breadth-first order (``VersionState.adopt``: at most one more copy of the stripe, whatever a
-hostile member asks, and no two peers can wait on each other), so a member refused there tries
-the next candidate.
+next, the learner last, is ``broadcast/adoption.py``'s rule (ancestors, then uncles with room;
+a stripe head's orphans their earlier siblings). A peer streams beyond its plan children only
+to members after it in the stripe's breadth-first order, at most ``fanout`` descendants and
+later siblings and ``adoption_slots`` nephews per stripe (``VersionState.adopt``: about one
+more copy of the stripe at most, whatever a hostile member asks, and no two peers can wait on
+each other), so a member refused there tries the next candidate.
 Only the plan parent's failure is reported to the learner (``BroadcastDone.suspects``); an
 ancestor that refuses or stalls an adoption may just have lost its own feed. A parent that
 stalls but still answers a ping is asked once more before it counts as failed: it may be being
@@ -112,9 +112,9 @@ class StripeFeed:
 
     async def _adopted(self, state: VersionState, s: int, suspects: set[str]) -> None:
         """The rest of stripe ``s`` from the first that adopts us (``broadcast/adoption.py``:
-        ancestors above the failed parent, uncles, earlier siblings, the learner last; relays
-        whose uplink share would be too slow left out). A dead candidate fails at its dial and
-        the next is asked."""
+        ancestors above the failed parent, uncles with ``adoption_slots``, a stripe head's
+        orphans their earlier siblings, the learner last). A dead candidate fails at its dial
+        and the next is asked."""
         sources = adopters(state.plan, s, state.me)
         for source in sources:
             if state.stripe_complete(s):

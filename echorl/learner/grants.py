@@ -8,13 +8,13 @@ request waited 0.3-0.6 s behind that backlog, where before and after it took und
 (``bench/swarm.py --events-out``, issue 27). So grants are paced to the loop's capacity:
 ``GrantPace`` is a token bucket whose rate is ``UTILIZATION`` of what the loop can check, measured
 as the loop's busy wall time per accepted submission (``LoopBusy``: everything the loop does,
-leases and pings included, and the time it loses to other processes on the same cores and to
-its garbage collector, divided by what it achieved; its CPU time alone let a 1,000-peer swarm on
-shared cores be granted more than the loop then checked). A request the bucket cannot serve is deferred
-(``paced``) to the next free slot of a shared clock, so a crowd deferred at once comes back one
-slot apart, not together. At a swarm's steady state grants equal submissions, so the bucket binds
-only when grants come faster than the learner could check them: a mass join, or more volunteers
-than one learner can serve (then they wait, and the learner stays responsive).
+leases and pings included, with the time it loses to other processes on its cores and to its
+collector, divided by what it achieved; its CPU time alone undercounts a loop on shared cores).
+A request the bucket cannot serve is deferred (``paced``) to the next free slot of a shared
+clock, so a crowd deferred at once comes back one slot apart, not together. At a swarm's steady
+state grants equal submissions, so the bucket binds only when grants come faster than the
+learner could check them: a mass join, or more volunteers than one learner can serve (then they
+wait, and the learner stays responsive).
 """
 
 from __future__ import annotations
