@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -59,6 +60,9 @@ def broadcaster_main(args: argparse.Namespace) -> None:
 
     def tx_bytes() -> int:
         return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
+
+    if os.environ.get("ECHORL_RELAY_LOG", "").lower() == "info":  # whom the learner adopted, as the relays log
+        logging.basicConfig(level="INFO", stream=sys.stderr)
 
     async def main() -> None:
         identity = Identity.generate()

@@ -254,6 +254,8 @@ class ChunkServer:
         state = await self.state_for(sub.version)
         if state is None or sub.stripe >= state.n_stripes or not state.adopt(sub.stripe, peer):
             raise ProtocolError(ErrorCode.NOT_FOUND, f"{short_id(peer)} is not my child in stripe {sub.stripe}")
+        if peer not in state.children.get(sub.stripe, ()):
+            log.info("v%d stripe %d: adopting %s from chunk %d", sub.version, sub.stripe, short_id(peer), sub.skip or 0)
         return state
 
     async def _on_stream(self, sub: Subscribe, stream: ChunkStream, peer: str) -> None:
