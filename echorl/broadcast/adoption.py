@@ -14,7 +14,8 @@ orphans all went to the learner (8 adoptions, 1.96 copies in one run).
 
 A relay adopts up to ``fanout`` of its descendants and later siblings per stripe, the learner
 anyone (an extra copy of a stripe at most); a relay adopts at most ``adoption_slots`` nephews
-per stripe, as many as keep each of its planned streams at ``ADOPT_FLOOR`` of its rate or more.
+per stripe: the child slots the plan gave it and it does not use, and as many more as keep each
+of its planned streams at ``ADOPT_FLOOR`` of its rate or more.
 An adopter streams the rest of the stripe to the orphan's whole subtree, so a slow one slows
 all of it for the rest of the version, where an orphan no one adopts pulls from several
 holders. A plan gives each relay streams in proportion to its uplink (with weights; equal
@@ -60,9 +61,12 @@ def adopters(plan: BroadcastPlan, s: int, me: str) -> list[str]:
 
 
 def adoption_slots(plan: BroadcastPlan, relay: str) -> int:
-    """Nephews ``relay`` (not the learner) may adopt a stripe: as many as leave each of its
-    planned streams ``ADOPT_FLOOR`` of its uplink share or more."""
-    return int(plan.streams(relay) * (1 / ADOPT_FLOOR - 1) + 1e-9)
+    """Nephews ``relay`` (not the learner) may adopt a stripe: the plan's child slots it does not
+    use (``BroadcastPlan.slots``: the planner counted that uplink free; in the lab a relay of
+    three streams of four slots was otherwise a dead end and its nephews went to the learner),
+    plus as many as leave each of its planned streams ``ADOPT_FLOOR`` of its uplink share."""
+    streams = plan.streams(relay)
+    return int(streams * (1 / ADOPT_FLOOR - 1) + 1e-9) + max(plan.slots.get(relay, 0) - streams, 0)
 
 
 def may_adopt(order: dict[str, int], me: str, peer: str) -> bool:

@@ -75,6 +75,7 @@ class BroadcastPlan:
     stripes: tuple[Stripe, ...]
     peers: tuple[str, ...] = field(default=())
     unreachable: frozenset[str] = field(default=frozenset())
+    slots: dict[str, int] = field(default_factory=dict, compare=False)  # relay -> child slots planned (all stripes)
 
     def stripe_of_chunk(self, chunk_index: int) -> int:
         return chunk_index % len(self.stripes)
@@ -235,13 +236,15 @@ def _plan(learner: str, peers: list[PlanPeer], fanout: int, seed: int, striped: 
     # every group gets reachable peers and pushers alike: a pusher needs reachable neighbours
     groups = [r + q for r, q in zip(_grouped(reachable, budget, n_stripes), _grouped(pushers, budget, n_stripes))]
     cap = dict(budget)  # children a peer may take in one stripe: all its slots (k unless weighted)
+    slots = dict(budget)  # (``budget`` is spent as the stripes are built)
     needed = math.ceil(max(len(order) - 1, 0) / fanout)  # parents needed in a full k-ary stripe
     stripes: dict[int, Stripe] = {}
     # Stripes whose own group suffices go first; short ones then borrow leftover slots.
     for j in sorted(range(n_stripes), key=lambda j: (sum(budget[p] for p in groups[j]) < needed * fanout, j)):
         interior = _interior_for_stripe(groups, j, len(order), cap, budget, set(stripes), unreachable)
         stripes[j] = _build_stripe(j, learner, order, interior, cap, budget, unreachable)
-    return BroadcastPlan(learner, fanout, tuple(stripes[j] for j in range(n_stripes)), tuple(sorted(ids)), unreachable)
+    trees = tuple(stripes[j] for j in range(n_stripes))
+    return BroadcastPlan(learner, fanout, trees, tuple(sorted(ids)), unreachable, slots)
 
 
 def _interior_for_stripe(

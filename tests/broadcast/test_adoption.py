@@ -87,8 +87,8 @@ def test_an_ancestor_adopts_at_most_fanout_descendants_per_stripe_and_no_one_bef
 
 def test_a_relay_adopts_nephews_only_within_its_adoption_slots() -> None:
     """A relay's nephews (its siblings' children) count against ``adoption_slots``: ⌊streams/4⌋
-    a stripe (each of its own streams keeps 4/5 of its rate), not ``fanout``; a relay of three
-    streams or fewer adopts none; its descendants still have ``fanout`` places."""
+    a stripe (each of its own streams keeps 4/5 of its rate), not ``fanout``, plus the child
+    slots the plan gave it and it does not use (a relay of three streams of four slots: one)."""
     ann, learner = _announce(60, fanout=4)
     plan = _state(ann, learner.peer_id).plan
     stripe = plan.stripes[0]
@@ -97,14 +97,15 @@ def test_a_relay_adopts_nephews_only_within_its_adoption_slots() -> None:
     def nephews(p: str) -> list[str]:
         return [c for u in stripe.children.get(up[p], ()) if u != p for c in stripe.children.get(u, ())]
 
-    busy = next(p for p in up if plan.streams(p) >= 4 and len(nephews(p)) > adoption_slots(plan, p))
-    slots = adoption_slots(plan, busy)
-    assert slots == plan.streams(busy) // 4 >= 1
+    busy = next(p for p in up if plan.streams(p) == plan.slots[p] == 4 and len(nephews(p)) > 1)
+    assert adoption_slots(plan, busy) == 1
     mine = _state(ann, busy)
     got = [mine.adopt(0, n) for n in nephews(busy)]
-    assert got == [True] * slots + [False] * (len(got) - slots)
-    idle = next(p for p in up if 0 < plan.streams(p) < 4 and nephews(p))
-    assert adoption_slots(plan, idle) == 0 and not _state(ann, idle).adopt(0, nephews(idle)[0])
+    assert got == [True] + [False] * (len(got) - 1)
+    spare = next(p for p in up if plan.streams(p) == 3 and plan.slots[p] == 4 and len(nephews(p)) > 1)
+    assert adoption_slots(plan, spare) == 1  # ⌊3/4⌋ = 0, and the slot it does not use
+    mine = _state(ann, spare)
+    assert [mine.adopt(0, n) for n in nephews(spare)[:2]] == [True, False]
 
 
 def test_an_orphan_asks_its_ancestors_then_its_uncles_each_sibling_from_a_different_one() -> None:
