@@ -7,22 +7,18 @@ arrived, more than its loop checks (~200 a second at 4.5 ms each), and for five 
 request waited 0.3-0.6 s behind that backlog, where before and after it took under 50 ms
 (``bench/swarm.py --events-out``, issue 27). So grants are paced to the loop's capacity:
 ``GrantPace`` is a token bucket whose rate is ``UTILIZATION`` of what the loop can check, measured
-as the loop's busy wall time per accepted submission (``LoopBusy``: everything the loop does,
-leases and pings included, with the time it loses to other processes on its cores and to its
-collector, divided by what it achieved; its CPU time alone undercounts a loop on shared cores).
-A request the bucket cannot serve is deferred (``paced``) to the next free slot of a shared
-clock, so a crowd deferred at once comes back one slot apart, not together. At a swarm's steady
-state grants equal submissions, so the bucket binds only when grants come faster than the
-learner could check them: a mass join, or more volunteers than one learner can serve (then they
-wait, and the learner stays responsive).
+as the loop thread's CPU per accepted submission (everything the loop does, leases and pings
+included, divided by what it achieved). A request the bucket cannot serve is deferred
+(``paced``) to the next free slot of a shared clock, so a crowd deferred at once comes back one
+slot apart, not together. At a swarm's steady state grants equal submissions, so the bucket binds
+only when grants come faster than the learner could check them: a mass join, or more volunteers
+than one learner can serve (then they wait, and the learner stays responsive).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
-import trio
 
 from echorl.learner.pace import SlotClock
 
@@ -49,40 +45,19 @@ MAX_WAIT_S = 30.0
 """The longest ``retry_after_s`` a deferred asker is given, however long the queue of slots."""
 
 
-class LoopBusy(trio.abc.Instrument):
-    """Wall seconds the trio loop has spent running tasks, not waiting for I/O (from one
-    ``after_io_wait`` to the next ``before_io_wait``): the loop's capacity as it is, on cores it
-    may share."""
-
-    def __init__(self) -> None:
-        self._total = 0.0
-        self._since = time.perf_counter()
-
-    def before_io_wait(self, timeout: float) -> None:
-        self._total += time.perf_counter() - self._since
-
-    def after_io_wait(self, timeout: float) -> None:
-        self._since = time.perf_counter()
-
-    def busy_s(self) -> float:
-        """Asked from a task, so the loop is running: the current run counts."""
-        return self._total + time.perf_counter() - self._since
-
-
 class GrantPace:
     """The lease-grant token bucket and its slot clock; the service asks ``wait_s`` before each
-    grant and calls ``note_submission`` for each accepted submission (every call from the loop).
-    ``busy`` is the loop's busy clock; None: a ``LoopBusy`` added to the running loop at the
-    first call."""
+    grant and calls ``note_submission`` for each accepted submission. ``cpu`` is the loop thread's
+    CPU clock (every call comes from the loop)."""
 
-    def __init__(self, busy: Callable[[], float] | None = None) -> None:
-        self.busy = busy
+    def __init__(self, cpu: Callable[[], float] = time.thread_time) -> None:
+        self.cpu = cpu
         self.cost_s = PRIOR_COST_S  # the loop's seconds per submission (PRIOR_COST_S until measured)
         self.deferred = 0  # requests deferred by the bucket (the metrics row)
         self._tokens = self.rate * BURST_S
         self._at = -1.0  # when the bucket was last refilled (-1: never)
         self._slots = SlotClock()  # when deferred askers should come back
-        self._window: tuple[float, float] | None = None  # (started, loop busy seconds then)
+        self._window: tuple[float, float] | None = None  # (started, loop CPU then)
         self._submitted = 0  # accepted submissions since the window started
 
     @property
@@ -109,14 +84,10 @@ class GrantPace:
     def _measure(self, now: float) -> None:
         if self._window is not None and now - self._window[0] < MEASURE_S:
             return
-        if self.busy is None:
-            instrument = LoopBusy()
-            trio.lowlevel.add_instrument(instrument)
-            self.busy = instrument.busy_s
-        busy, n = self.busy(), self._submitted
-        if self._window is not None and n >= MIN_MEASURED and busy > self._window[1]:
-            self.cost_s = min(max((busy - self._window[1]) / n, COST_RANGE[0]), COST_RANGE[1])
-        self._window, self._submitted = (now, busy), 0
+        cpu, n = self.cpu(), self._submitted
+        if self._window is not None and n >= MIN_MEASURED and cpu > self._window[1]:
+            self.cost_s = min(max((cpu - self._window[1]) / n, COST_RANGE[0]), COST_RANGE[1])
+        self._window, self._submitted = (now, cpu), 0
 
     def metrics(self) -> dict[str, int]:
         return {"lease_grants_per_s_max": round(self.rate), "leases_deferred_by_grant_pace": self.deferred}
